@@ -1,0 +1,223 @@
+"""Cache identity: everything that changes the K/V of a block.
+
+A cached block may be reused only where it is bit-for-bit what a fresh
+prefill computes, so the namespace digest that seeds every block-key chain
+covers the model, tokenizer, dtype, layout, position policy, parallel shard,
+adapter, chat template, multimodal processor and the tenant's salt. Change
+any field and no old key can match (see :mod:`kvstore.keys`).
+
+The canonical encoding is sorted-key compact JSON with a schema tag; it never
+uses Python's ``hash()`` or pickle, so it is stable across processes,
+interpreters and machines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvstore.errors import ConfigError
+
+SCHEMA = "kvstore-identity/1"
+
+# bytes per element of the KV dtypes we know; quantised dtypes count their
+# storage width, their scales travel in the payload and `kv_quant` names them.
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1, "int4": 1,
+}
+ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "sliding_window")
+KEY_HASHES = ("sha256", "xxh3_128")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+def _text(name: str, value: Any, *, allow_empty: bool = True) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise ConfigError(f"{name} must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one sealed block's K/V on this shard.
+
+    ``num_kv_heads`` counts the heads held by this shard (after TP split).
+    For MLA there is one latent vector per token and layer: ``head_dim`` is
+    the latent width and K and V are not stored separately.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: str = "bfloat16"
+    attention: str = "gqa"
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+            _positive_int(name, getattr(self, name))
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"unknown KV dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.attention == "sliding_window":
+            _positive_int("sliding_window", self.sliding_window)
+        elif self.sliding_window is not None:
+            raise ConfigError("sliding_window is only valid with attention='sliding_window'")
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        return (self.tensors_per_layer * self.num_layers * self.num_kv_heads
+                * self.head_dim * DTYPE_BYTES[self.dtype])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one sealed block, all layers, K and V, as one record."""
+        return self.bytes_per_token * self.block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdentity:
+    """Everything that changes K/V. Frozen; validated on construction."""
+
+    model_id: str
+    layout: KVLayout
+    model_revision: str = "main"
+    tokenizer_id: str = ""
+    tokenizer_revision: str = "main"
+    kv_quant: str = "none"
+    rope_theta: float = 10000.0
+    rope_scaling: str = ""          # canonical JSON of the scaling dict, "" = none
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_stage: int = 0
+    adapter_id: str = ""            # LoRA / adapter name, "" = base model
+    adapter_revision: str = ""
+    chat_template_revision: str = ""
+    mm_processor_version: str = ""
+    cache_salt: str = ""            # the tenant's salt
+    key_hash: str = "sha256"        # "xxh3_128" is opt-in for single-tenant use
+    extra: tuple[tuple[str, str], ...] = field(default=())  # engine-specific fields
+
+    def __post_init__(self) -> None:
+        _text("model_id", self.model_id, allow_empty=False)
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError("layout must be a KVLayout")
+        for name in ("model_revision", "tokenizer_id", "tokenizer_revision", "kv_quant",
+                     "rope_scaling", "adapter_id", "adapter_revision",
+                     "chat_template_revision", "mm_processor_version", "cache_salt"):
+            _text(name, getattr(self, name))
+        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) \
+                or not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        for size, rank in (("tp_size", "tp_rank"), ("pp_size", "pp_stage")):
+            _positive_int(size, getattr(self, size))
+            r = getattr(self, rank)
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < getattr(self, size):
+                raise ConfigError(f"{rank} must be in [0, {size}), got {r!r}")
+        if self.key_hash not in KEY_HASHES:
+            raise ConfigError(f"key_hash must be one of {KEY_HASHES}, got {self.key_hash!r}")
+        if self.adapter_revision and not self.adapter_id:
+            raise ConfigError("adapter_revision given without adapter_id")
+        if not isinstance(self.extra, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
+                for p in self.extra):
+            raise ConfigError("extra must be a tuple of (str, str) pairs")
+
+    # -- canonical form -------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["extra"] = {k: v for k, v in sorted(self.extra)}
+        return d
+
+    def canonical_bytes(self) -> bytes:
+        body = {"schema": SCHEMA, **self.to_dict()}
+        body["rope_theta"] = float(self.rope_theta)
+        return json.dumps(body, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True, allow_nan=False).encode()
+
+    @property
+    def namespace(self) -> bytes:
+        """32-byte digest seeding every block-key chain of this identity."""
+        return _namespace_digest(self)
+
+    @property
+    def namespace_tag(self) -> bytes:
+        """First 16 bytes of the namespace: stored in each record header."""
+        return self.namespace[:16]
+
+    @property
+    def layout_digest(self) -> bytes:
+        return _layout_digest(self.layout)
+
+    def replace(self, **changes: Any) -> "CacheIdentity":
+        return dataclasses.replace(self, **changes)
+
+    # -- parsing ----------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CacheIdentity":
+        """Build from a flat or nested mapping (ID.json). Unknown fields are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("identity must be a JSON object")
+        data = dict(data)
+        layout_fields = {f.name for f in dataclasses.fields(KVLayout)}
+        layout_data = dict(data.pop("layout", {}) or {})
+        for name in list(data):
+            if name in layout_fields:
+                layout_data[name] = data.pop(name)
+        if "block_size" in data:  # the engines' name for block_tokens
+            layout_data.setdefault("block_tokens", data.pop("block_size"))
+        known = {f.name for f in dataclasses.fields(cls)} - {"layout"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown identity field(s): {', '.join(unknown)}")
+        missing = sorted({"num_layers", "num_kv_heads", "head_dim", "block_tokens"} - set(layout_data))
+        if missing:
+            raise ConfigError(f"identity is missing layout field(s): {', '.join(missing)}")
+        unknown_layout = sorted(set(layout_data) - layout_fields)
+        if unknown_layout:
+            raise ConfigError(f"unknown layout field(s): {', '.join(unknown_layout)}")
+        if "extra" in data:
+            extra = data["extra"]
+            if not isinstance(extra, Mapping):
+                raise ConfigError("extra must be an object of string values")
+            data["extra"] = tuple(sorted((str(k), str(v)) for k, v in extra.items()))
+        if "model_id" not in data:
+            raise ConfigError("identity is missing model_id")
+        try:
+            return cls(layout=KVLayout(**layout_data), **data)
+        except TypeError as exc:  # wrong value types that dataclass init rejects
+            raise ConfigError(str(exc)) from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "CacheIdentity":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"identity is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+
+@functools.lru_cache(maxsize=1024)
+def _namespace_digest(identity: CacheIdentity) -> bytes:
+    return hashlib.sha256(identity.canonical_bytes()).digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_digest(layout: KVLayout) -> bytes:
+    body = json.dumps(dataclasses.asdict(layout), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).digest()[:8]

@@ -1,0 +1,153 @@
+"""Block keys: the one place keys are built, checked and named.
+
+``h_i = H(h_{i-1} || tokens_i || extra_i)`` with ``h_{-1}`` the identity's
+namespace digest. Only sealed (full) blocks get keys; the trailing partial
+block is recomputed by the engine. Token ids are encoded as little-endian
+uint32, so a key never depends on Python's ``hash()`` or the platform.
+
+SHA-256 is the default: in a multi-tenant cache a forged collision would let
+one tenant plant K/V that another reads. ``xxh3_128`` (16-byte keys, ~5x
+faster) is opt-in through ``CacheIdentity.key_hash`` for single-tenant use;
+the hash name is part of the identity, so the two never mix.
+
+Rejected: hashing a Python tuple of ints (vLLM's early ``hash()`` keys
+differed between processes) and hashing token text (tokenizer-dependent).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Iterable, NewType, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import ConfigError, InvalidKey
+from kvstore.identity import CacheIdentity
+
+BlockKey = NewType("BlockKey", bytes)
+KEY_LENGTHS = (16, 32)
+_EXTRA_TAG = b"\xffX"  # separates token bytes from per-block extras
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """A media item (image, audio clip) overlapping a block."""
+
+    media_hash: str
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.media_hash, str) or not self.media_hash:
+            raise ConfigError("media_hash must be a non-empty string")
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ConfigError(f"media num_tokens must be a non-negative int, got {self.num_tokens!r}")
+
+
+BlockExtras = Sequence[MediaRef]
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS = {"sha256": _sha256, "xxh3_128": xxhash.xxh3_128_digest}
+
+
+def _encode_extras(extras: BlockExtras) -> bytes:
+    if not extras:
+        return b""
+    items = [[m.media_hash, m.num_tokens] for m in extras]
+    return _EXTRA_TAG + json.dumps(items, separators=(",", ":")).encode()
+
+
+def _as_token_array(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
+    if arr.ndim != 1:
+        raise ConfigError("tokens must be a flat sequence of ints")
+    if arr.size and (arr.dtype.kind not in "iu"):
+        raise ConfigError(f"tokens must be ints, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ConfigError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+class KeyChain:
+    """Incremental key builder for one sequence (a request, an agent task).
+
+    Feed tokens as they arrive; a key appears each time a block seals.
+    ``fork()`` copies the chain so a sub-agent continues from a shared prefix.
+    Not thread-safe; cheap to copy.
+    """
+
+    __slots__ = ("identity", "block_tokens", "_algo", "_prev", "_pending", "keys")
+
+    def __init__(self, identity: CacheIdentity) -> None:
+        self.identity = identity
+        self.block_tokens = identity.layout.block_tokens
+        self._algo = identity.key_hash
+        self._prev = identity.namespace if self._algo == "sha256" else identity.namespace[:16]
+        self._pending = np.empty(0, dtype="<u4")
+        self.keys: list[BlockKey] = []
+
+    def extend(self, tokens: Iterable[int] | np.ndarray,
+               extras: Sequence[BlockExtras] | None = None) -> list[BlockKey]:
+        """Append tokens; return the keys of the blocks this call sealed.
+
+        ``extras[j]`` holds the media overlapping the j-th block sealed by
+        this call (missing entries mean none).
+        """
+        arr = np.concatenate([self._pending, _as_token_array(tokens)])
+        n_full = len(arr) // self.block_tokens
+        new: list[BlockKey] = []
+        step = self.block_tokens * 4
+        raw = arr[:n_full * self.block_tokens].tobytes()  # one conversion, then slices
+        digest, prev = _DIGESTS[self._algo], self._prev
+        for j in range(n_full):
+            extra = extras[j] if extras is not None and j < len(extras) else ()
+            prev = digest(prev + raw[j * step:(j + 1) * step] + _encode_extras(extra))
+            new.append(BlockKey(prev))
+        self._prev = prev
+        self._pending = arr[n_full * self.block_tokens:].copy()
+        self.keys.extend(new)
+        return new
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of the trailing partial block (recomputed, never keyed)."""
+        return len(self._pending)
+
+    def fork(self) -> "KeyChain":
+        twin = KeyChain.__new__(KeyChain)
+        twin.identity, twin.block_tokens, twin._algo = self.identity, self.block_tokens, self._algo
+        twin._prev, twin._pending, twin.keys = self._prev, self._pending.copy(), list(self.keys)
+        return twin
+
+
+def block_keys(identity: CacheIdentity, tokens: Iterable[int] | np.ndarray,
+               extras: Sequence[BlockExtras] | None = None) -> list[BlockKey]:
+    """One key per sealed block of ``tokens``; the partial tail gets none."""
+    return KeyChain(identity).extend(tokens, extras)
+
+
+def check_key(key: object) -> BlockKey:
+    """Return ``key`` as a BlockKey or raise :class:`InvalidKey`."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) not in KEY_LENGTHS:
+        shown = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise InvalidKey(f"a block key is 16 or 32 bytes, got {shown}")
+    return BlockKey(bytes(key))
+
+
+def key_from_hex(text: str) -> BlockKey:
+    try:
+        return check_key(bytes.fromhex(text))
+    except ValueError as exc:
+        if isinstance(exc, InvalidKey):
+            raise
+        raise InvalidKey(f"not a hex block key: {text!r}") from exc
+
+
+def storage_name(prefix: str, key: BlockKey) -> str:
+    """Name of a block in a flat namespace (Redis key, file name): prefix + hex."""
+    return prefix + key.hex()

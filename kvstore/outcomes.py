@@ -1,0 +1,30 @@
+"""Expected outcomes as values: what a tier or the store reports per block."""
+from __future__ import annotations
+
+import enum
+
+
+class GetOutcome(enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    CORRUPT = "corrupt"            # record failed its checksum; the tier dropped it
+    UNAVAILABLE = "unavailable"    # backend down (Redis, device)
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"
+    EXISTS = "exists"              # same key already held: puts are idempotent
+    NO_SPACE = "no_space"          # the tier is full of protected blocks
+    UNAVAILABLE = "unavailable"
+
+
+class MissReason(enum.Enum):
+    """Why a block was not found: how a user learns why the hit rate fell."""
+
+    NEVER_STORED = "never_stored"
+    EVICTED = "evicted"
+    EXPIRED = "expired"
+    INVALIDATED = "invalidated"
+    CORRUPT = "corrupt"
+    TIER_UNAVAILABLE = "tier_unavailable"
+    PARTIAL_BLOCK = "partial_block"

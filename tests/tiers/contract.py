@@ -1,0 +1,197 @@
+"""The contract every tier passes. Subclass ``TierContract`` and define
+``make_tier(self, tmp_path, capacity_bytes)`` (a coroutine). A subclass whose
+tier evicts by itself when full (NVMe segments, Redis maxmemory) sets
+``self_evicting = True``; the others must answer ``NO_SPACE``.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.errors import BlockNotFound, InvalidBlock, InvalidKey, LayoutMismatch
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import HEADER_BYTES, BlockSpec
+
+BLOCK = 16 * 1024
+SPEC = BlockSpec(b"N" * 16, b"L" * 8, BLOCK)
+OTHER_NS = BlockSpec(b"M" * 16, b"L" * 8, BLOCK)
+OTHER_LAYOUT = BlockSpec(b"N" * 16, b"Q" * 8, BLOCK)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def payload(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+class TierContract:
+    self_evicting = False
+    capacity_blocks = 8
+
+    async def make_tier(self, tmp_path, capacity_bytes: int):  # pragma: no cover
+        raise NotImplementedError
+
+    @pytest.fixture
+    def loop(self):
+        loop = asyncio.new_event_loop()
+        yield loop
+        loop.close()
+
+    @pytest.fixture
+    def tier(self, loop, tmp_path):
+        cap = self.capacity_blocks * (BLOCK + HEADER_BYTES) + 4096
+        t = loop.run_until_complete(self.make_tier(tmp_path, cap))
+        yield t
+        loop.run_until_complete(t.close())
+
+    # -- round trip -----------------------------------------------------
+    def test_round_trip_is_byte_exact(self, tier, loop):
+        run = loop.run_until_complete
+        for i in range(3):
+            assert run(tier.put(SPEC, key(i), payload(i))) is PutOutcome.STORED
+        for i in range(3):
+            dst = np.zeros(BLOCK, np.uint8)
+            assert run(tier.get_into(SPEC, key(i), dst)) is GetOutcome.HIT
+            assert np.array_equal(dst, payload(i))
+            assert np.array_equal(run(tier.get(SPEC, key(i))), payload(i))
+
+    def test_accepts_typed_arrays(self, tier, loop):
+        run = loop.run_until_complete
+        src = payload(7).view(np.float16).reshape(2, -1)
+        assert run(tier.put(SPEC, key(7), src)) is PutOutcome.STORED
+        dst = np.zeros_like(src)
+        assert run(tier.get_into(SPEC, key(7), dst)) is GetOutcome.HIT
+        assert np.array_equal(dst.view(np.uint8), src.view(np.uint8))
+
+    def test_contains_and_delete(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(1), payload(1)))
+        assert run(tier.contains(key(1))) and not run(tier.contains(key(2)))
+        assert run(tier.delete(key(1))) is True
+        assert run(tier.delete(key(1))) is False
+        assert not run(tier.contains(key(1)))
+        assert run(tier.get_into(SPEC, key(1), np.zeros(BLOCK, np.uint8))) is GetOutcome.MISS
+
+    def test_put_is_idempotent(self, tier, loop):
+        run = loop.run_until_complete
+        assert run(tier.put(SPEC, key(1), payload(1))) is PutOutcome.STORED
+        used = tier.used_bytes
+        assert run(tier.put(SPEC, key(1), payload(1))) is PutOutcome.EXISTS
+        assert tier.used_bytes == used
+
+    def test_stat_reports_the_header(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(3), payload(3)))
+        head = run(tier.stat(key(3)))
+        assert head.key == key(3) and head.namespace == SPEC.namespace
+        assert head.layout == SPEC.layout and head.raw_len == BLOCK
+        assert run(tier.stat(key(4))) is None
+
+    # -- batches --------------------------------------------------------
+    def test_batch_forms(self, tier, loop):
+        run = loop.run_until_complete
+        keys = [key(i) for i in range(4)]
+        assert run(tier.put_many(SPEC, keys, [payload(i) for i in range(4)])) == [PutOutcome.STORED] * 4
+        assert run(tier.contains_many(keys + [key(9)])) == [True] * 4 + [False]
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in range(5)]
+        outs = run(tier.get_into_many(SPEC, keys + [key(9)], dsts))
+        assert outs == [GetOutcome.HIT] * 4 + [GetOutcome.MISS]
+        for i in range(4):
+            assert np.array_equal(dsts[i], payload(i))
+        assert run(tier.delete_many([key(0), key(9)])) == [True, False]
+        assert sorted(tier.iter_keys()) == sorted(keys[1:])
+
+    # -- capacity -------------------------------------------------------
+    def test_capacity_is_never_exceeded(self, tier, loop):
+        run = loop.run_until_complete
+        outcomes = []
+        for i in range(self.capacity_blocks * 3):
+            outcomes.append(run(tier.put(SPEC, key(i), payload(i))))
+            assert tier.used_bytes <= tier.capacity_bytes
+        stored = [i for i, o in enumerate(outcomes) if o is PutOutcome.STORED]
+        assert len(stored) >= self.capacity_blocks // 2
+        if not self.self_evicting:
+            assert PutOutcome.NO_SPACE in outcomes
+            assert not tier.fits(SPEC)
+        held = [i for i in stored if run(tier.contains(key(i)))]
+        assert held, "a full tier must still hold blocks"
+        for i in held:
+            assert np.array_equal(run(tier.get(SPEC, key(i))), payload(i))
+
+    def test_fits_frees_after_delete(self, tier, loop):
+        run = loop.run_until_complete
+        i = 0
+        while tier.fits(SPEC) and i < 100:
+            run(tier.put(SPEC, key(i), payload(i)))
+            i += 1
+        run(tier.delete_many([key(j) for j in range(i)]))
+        assert tier.fits(SPEC)
+        assert run(tier.put(SPEC, key(500), payload(500))) is PutOutcome.STORED
+
+    # -- bad input leaves the tier unchanged ------------------------------
+    def _snapshot(self, tier):
+        return sorted(tier.iter_keys()), tier.used_bytes
+
+    def test_wrong_size_is_a_typed_error(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(1), payload(1)))
+        before = self._snapshot(tier)
+        with pytest.raises(InvalidBlock):
+            run(tier.put(SPEC, key(2), payload(2, BLOCK - 1)))
+        with pytest.raises(InvalidBlock):  # one bad item spoils the batch, nothing stored
+            run(tier.put_many(SPEC, [key(3), key(4)], [payload(3), payload(4, 10)]))
+        with pytest.raises(InvalidBlock):
+            run(tier.get_into(SPEC, key(1), np.zeros(BLOCK + 1, np.uint8)))
+        with pytest.raises(InvalidBlock):
+            run(tier.put_many(SPEC, [key(3)], [payload(3), payload(4)]))
+        assert self._snapshot(tier) == before
+
+    def test_bad_key_is_a_typed_error(self, tier, loop):
+        run = loop.run_until_complete
+        before = self._snapshot(tier)
+        for bad in (b"short", "not-bytes" * 4, 12345):
+            with pytest.raises(InvalidKey):
+                run(tier.put(SPEC, bad, payload(1)))
+        assert self._snapshot(tier) == before
+
+    def test_wrong_layout_is_a_typed_error(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(1), payload(1)))
+        before = self._snapshot(tier)
+        dst = np.full(BLOCK, 7, np.uint8)
+        for spec in (OTHER_LAYOUT, OTHER_NS):
+            with pytest.raises(LayoutMismatch):
+                run(tier.get_into(spec, key(1), dst))
+        assert (dst == 7).all(), "a refused read must not write the destination"
+        assert self._snapshot(tier) == before
+        assert np.array_equal(run(tier.get(SPEC, key(1))), payload(1))
+
+    def test_unknown_key_is_a_typed_error(self, tier, loop):
+        with pytest.raises(BlockNotFound):
+            loop.run_until_complete(tier.get(SPEC, key(42)))
+        with pytest.raises(KeyError):  # BlockNotFound is also a KeyError
+            loop.run_until_complete(tier.get(SPEC, key(42)))
+
+    def test_unwritable_destination_is_refused(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(1), payload(1)))
+        ro = np.zeros(BLOCK, np.uint8)
+        ro.flags.writeable = False
+        with pytest.raises(InvalidBlock):
+            run(tier.get_into(SPEC, key(1), ro))
+
+    def test_drop_namespace(self, tier, loop):
+        run = loop.run_until_complete
+        run(tier.put(SPEC, key(1), payload(1)))
+        run(tier.put(OTHER_NS, key(2), payload(2)))
+        assert run(tier.drop_namespace(OTHER_NS.namespace)) == 1
+        assert run(tier.contains_many([key(1), key(2)])) == [True, False]
+
+
+def random_bytes(n: int) -> bytes:
+    return os.urandom(n)

@@ -1,0 +1,95 @@
+"""The tier contract: one small Protocol, and a base that derives the single forms.
+
+A tier stores records (see :mod:`kvstore.record`) under block keys. It knows
+its own capacity; it never decides what to evict (policies do) and never
+talks to other tiers (the store does). Batch forms are the primitive: a
+single ``put`` is a batch of one.
+
+Contract, tested for every tier by ``tests/tiers/contract.py``:
+
+* ``put_many`` is idempotent (same key -> ``EXISTS``) and validates the whole
+  batch before touching anything: bad input raises and leaves the tier as it was.
+* ``get_into_many`` writes the exact bytes that were put into each ``dst`` and
+  returns one :class:`GetOutcome` per key; a stored record whose layout or
+  namespace differs from ``spec`` raises :class:`LayoutMismatch`.
+* ``used_bytes <= capacity_bytes`` always; a put that does not fit returns
+  ``NO_SPACE`` and stores nothing.
+* All methods are coroutines run on one event loop; tiers are not thread-safe
+  unless they say so.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from kvstore.errors import BlockNotFound, InvalidBlock
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import BlockSpec, RecordHeader, as_bytes_view, check_size
+
+
+@runtime_checkable
+class Tier(Protocol):
+    name: str
+    persistent: bool          # contents survive a restart of the process
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def fits(self, spec: BlockSpec, count: int = 1) -> bool: ...
+    def iter_keys(self) -> Iterator[BlockKey]: ...
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]: ...
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                       payloads: Sequence[object]) -> list[PutOutcome]: ...
+    async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                            dsts: Sequence[object]) -> list[GetOutcome]: ...
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+    async def drop_namespace(self, namespace: bytes) -> int: ...
+    async def close(self) -> None: ...
+
+
+def check_batch(spec: BlockSpec, keys: Sequence[object], bufs: Sequence[object], *,
+                writable: bool) -> tuple[list[BlockKey], list[memoryview]]:
+    """Validate a whole batch up front so bad input changes nothing."""
+    if len(keys) != len(bufs):
+        raise InvalidBlock(f"{len(keys)} keys but {len(bufs)} buffers")
+    what = "destination" if writable else "payload"
+    checked_keys = [check_key(k) for k in keys]
+    views = [as_bytes_view(b, writable=writable, what=what) for b in bufs]
+    for v in views:
+        check_size(v, spec, what)
+    return checked_keys, views
+
+
+class TierOps:
+    """Single-block forms derived from a tier's batch forms (mixin)."""
+
+    async def put(self: Tier, spec: BlockSpec, key: BlockKey, payload: object) -> PutOutcome:
+        return (await self.put_many(spec, [key], [payload]))[0]
+
+    async def get_into(self: Tier, spec: BlockSpec, key: BlockKey, dst: object) -> GetOutcome:
+        return (await self.get_into_many(spec, [key], [dst]))[0]
+
+    async def get(self: Tier, spec: BlockSpec, key: BlockKey) -> np.ndarray:
+        """A fresh uint8 array holding the block; :class:`BlockNotFound` if absent."""
+        out = np.empty(spec.nbytes, dtype=np.uint8)
+        outcome = await self.get_into(spec, key, out)
+        if outcome is not GetOutcome.HIT:
+            raise BlockNotFound(f"{self.name}: block {check_key(key).hex()[:16]}… {outcome.value}")
+        return out
+
+    async def contains(self: Tier, key: BlockKey) -> bool:
+        return (await self.contains_many([key]))[0]
+
+    async def delete(self: Tier, key: BlockKey) -> bool:
+        return (await self.delete_many([key]))[0]
+
+    async def stat(self: Tier, key: BlockKey) -> RecordHeader | None:
+        return (await self.stat_many([key]))[0]
+
+
+def unique_in_order(keys: Iterable[BlockKey]) -> list[BlockKey]:
+    return list(dict.fromkeys(keys))
