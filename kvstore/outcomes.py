@@ -16,6 +16,7 @@ class PutOutcome(enum.Enum):
     EXISTS = "exists"              # same key already held: puts are idempotent
     NO_SPACE = "no_space"          # the tier is full of protected blocks
     UNAVAILABLE = "unavailable"
+    DECLINED = "declined"          # the placement policy chose not to store it
 
 
 class MissReason(enum.Enum):

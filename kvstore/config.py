@@ -1,0 +1,80 @@
+"""Store configuration: one frozen dataclass, validated on construction,
+buildable from a dict (a JSON file, an engine's extra config).
+
+Sizes accept ints or strings ("8GiB"). A tier is configured by giving its
+size (and path or URL); tiers are ordered fastest first: hbm, dram, nvme, redis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_size
+
+_SIZE_FIELDS = ("hbm_bytes", "dram_bytes", "nvme_bytes", "nvme_segment_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    hbm_bytes: int = 0
+    hbm_device: str = "auto"            # auto | cuda | cpu (the numpy twin)
+    dram_bytes: int = 1 << 30
+    dram_pinned: str = "auto"
+    nvme_path: str | None = None
+    nvme_bytes: int = 0
+    nvme_segment_bytes: int = 64 << 20
+    nvme_durability: str = "none"       # none | fsync
+    redis_url: str | None = None
+    redis_prefix: str = "kvs:"
+    redis_ttl_s: int | None = None
+    redis_cluster: bool = False
+    redis_compression: str = "none"     # none | lz4
+    policy: str = "default"             # default | regime
+    max_prefetch: int = 4
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
+        if self.nvme_bytes and not self.nvme_path:
+            raise ConfigError("nvme_bytes given without nvme_path")
+        if self.nvme_durability not in ("none", "fsync"):
+            raise ConfigError(f"nvme_durability must be none or fsync, got {self.nvme_durability!r}")
+        if self.redis_url is not None and not str(self.redis_url).startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.policy not in ("default", "regime"):
+            raise ConfigError(f"policy must be default or regime, got {self.policy!r}")
+        if not (self.hbm_bytes or self.dram_bytes or self.nvme_bytes or self.redis_url):
+            raise ConfigError("configure at least one tier (hbm_bytes, dram_bytes, nvme_bytes or redis_url)")
+        if not isinstance(self.max_prefetch, int) or self.max_prefetch < 1:
+            raise ConfigError(f"max_prefetch must be a positive int, got {self.max_prefetch!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StoreConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError("store config must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown store config field(s): {', '.join(unknown)}; known: {sorted(known)}")
+        values = dict(data)
+        for name in _SIZE_FIELDS:
+            if name in values:
+                values[name] = parse_size(values[name])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @classmethod
+    def from_file(cls, path: str) -> "StoreConfig":
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_dict(json.load(f))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read store config {path}: {exc}") from exc

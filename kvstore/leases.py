@@ -1,0 +1,65 @@
+"""Pins (leases with a TTL) and in-flight transfer references.
+
+A block that is pinned, or being copied, is protected: eviction policies get
+the union as ``protected`` and never pick it. Transfers are two-phase:
+``acquire`` before the copy, ``release`` after, whatever the outcome, so a
+failed copy cannot leave a reference behind (use ``transfer()``).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+
+
+class Leases:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pins: dict[BlockKey, float] = {}     # key -> expiry (clock units)
+        self._refs: Counter = Counter()             # key -> in-flight transfers
+
+    def pin(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
+        if not ttl_s > 0:
+            raise KVStoreError(f"a pin needs a positive ttl, got {ttl_s!r}")
+        expiry = self._clock() + ttl_s
+        for k in keys:
+            self._pins[k] = max(expiry, self._pins.get(k, 0.0))
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        for k in keys:
+            self._pins.pop(k, None)
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        expiry = self._pins.get(key)
+        if expiry is None:
+            return False
+        if expiry <= self._clock():
+            del self._pins[key]
+            return False
+        return True
+
+    def refcount(self, key: BlockKey) -> int:
+        return self._refs[key]
+
+    @contextmanager
+    def transfer(self, keys: Iterable[BlockKey]) -> Iterator[None]:
+        keys = list(keys)
+        for k in keys:
+            self._refs[k] += 1
+        try:
+            yield
+        finally:
+            for k in keys:
+                self._refs[k] -= 1
+                if self._refs[k] < 0:  # a broken invariant, not an outcome
+                    raise KVStoreError(f"negative refcount for {k.hex()[:16]}")
+                if self._refs[k] == 0:
+                    del self._refs[k]
+
+    def __contains__(self, key: object) -> bool:
+        """True when ``key`` is protected (pinned and unexpired, or in flight)."""
+        return self._refs.get(key, 0) > 0 or self.is_pinned(key)  # type: ignore[arg-type]

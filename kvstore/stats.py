@@ -1,0 +1,73 @@
+"""Store statistics: per tier, per tenant, and every miss with its reason.
+
+Plain counters updated on the event loop; ``snapshot()`` returns a JSON-ready
+dict. Counting misses by reason is how a user finds out why the hit rate fell.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from kvstore.outcomes import MissReason
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    puts: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    demotions_in: int = 0
+    promotions_in: int = 0
+    corrupt: int = 0
+    unavailable: int = 0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+    misses: Counter = field(default_factory=Counter)          # MissReason -> count
+    tenant_hits: Counter = field(default_factory=Counter)
+    tenant_misses: Counter = field(default_factory=Counter)
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    prefetches: int = 0
+    prefetched_blocks: int = 0
+    invalidated_blocks: int = 0
+    events: list = field(default_factory=list)                # recent notable events
+
+    def tier(self, name: str) -> TierCounters:
+        if name not in self.tiers:
+            self.tiers[name] = TierCounters()
+        return self.tiers[name]
+
+    def miss(self, reason: MissReason, tenant: str) -> None:
+        self.misses[reason] += 1
+        self.tenant_misses[tenant] += 1
+
+    @property
+    def hits(self) -> int:
+        return sum(t.hits for t in self.tiers.values())
+
+    def hit_rate(self) -> float:
+        total = self.hits + sum(self.misses.values())
+        return self.hits / total if total else 0.0
+
+    def snapshot(self) -> dict:
+        per_tenant: dict[str, dict] = defaultdict(dict)
+        for name in set(self.tenant_hits) | set(self.tenant_misses):
+            h, m = self.tenant_hits[name], self.tenant_misses[name]
+            per_tenant[name] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0}
+        return {
+            "hit_rate": self.hit_rate(),
+            "hits": self.hits,
+            "misses": {r.value: self.misses.get(r, 0) for r in MissReason},
+            "tiers": {n: {k: getattr(c, k) for k in c.__slots__} for n, c in self.tiers.items()},
+            "tenants": dict(per_tenant),
+            "lookups": self.lookups, "lookup_blocks": self.lookup_blocks,
+            "lookup_hit_blocks": self.lookup_hit_blocks,
+            "prefetches": self.prefetches, "prefetched_blocks": self.prefetched_blocks,
+            "invalidated_blocks": self.invalidated_blocks,
+        }

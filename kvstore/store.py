@@ -1,0 +1,345 @@
+"""TieredStore: the one object that knows every tier.
+
+Data flows one way: a connector or the daemon calls the store, a placement
+policy decides where blocks go, tiers move the bytes. Tiers are ordered
+fastest first (hbm, dram, nvme, redis). The async methods are the API; the
+sync facade in :mod:`kvstore.sync` runs them on a private event loop.
+
+Threading: one event loop owns a TieredStore; its methods are coroutines and
+must be awaited on that loop. Caller buffers passed to ``aput`` may be reused
+once it returns; ``aget_into`` writes destinations before it returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidBlock, KVStoreError
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey, check_key
+from kvstore.leases import Leases
+from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy
+from kvstore.policies.default import DefaultPlacement
+from kvstore.policies.eviction import LRU
+from kvstore.record import BlockSpec, RecordHeader
+from kvstore.stats import StoreStats
+from kvstore.tiers.base import Tier, check_batch
+
+log = logging.getLogger("kvstore.store")
+_GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_blocks: int                       # longest stored prefix, in blocks
+    tiers: list[str | None]                  # fastest tier holding each key
+    reasons: list[MissReason | None]         # why each missing key is missing
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[Tier], *, placement: PlacementPolicy | None = None,
+                 eviction: Callable[[], EvictionPolicy] = LRU,
+                 clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
+                 max_prefetch_blocks: int = 4096) -> None:
+        if not tiers:
+            raise KVStoreError("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise KVStoreError(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        self.names = names
+        self.placement = placement or DefaultPlacement(names)
+        self._order = [eviction() for _ in tiers]
+        self.leases = Leases(clock)
+        self.clock = clock
+        self.stats = StoreStats()
+        for n in names:
+            self.stats.tier(n)
+        self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
+        self._ns_of: dict[BlockKey, bytes] = {}
+        self._prefetch_slots = asyncio.Semaphore(max_prefetch)
+        self._prefetch_budget = max_prefetch_blocks
+        self._prefetch_queued = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lookup -----------------------------------------------------------------
+    async def alookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        keys = [check_key(k) for k in keys]
+        where: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for ti, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            found = await tier.contains_many([keys[i] for i in todo])
+            for i, hit in zip(todo, found):
+                if hit:
+                    where[i] = ti
+            todo = [i for i in todo if where[i] is None]
+        prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(keys)
+        self.stats.lookup_hit_blocks += prefix
+        self.placement.on_request(keys, self.clock())
+        return LookupResult(prefix, [self.names[w] if w is not None else None for w in where],
+                            [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)])
+
+    def _reason(self, key: BlockKey) -> MissReason:
+        return self._gone.get(key, MissReason.NEVER_STORED)
+
+    def _forget(self, key: BlockKey, reason: MissReason) -> None:
+        self._gone[key] = reason
+        self._gone.move_to_end(key)
+        if len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
+
+    # -- put --------------------------------------------------------------------
+    async def aput(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                   blocks: Sequence[object]) -> list[PutOutcome]:
+        """Store sealed blocks (idempotent). Returns one outcome per key."""
+        spec = BlockSpec.of(identity)
+        keys, views = check_batch(spec, keys, blocks, writable=False)
+        out = []
+        for key, view in zip(keys, views):
+            targets = self.placement.put_targets(key)
+            outcome = PutOutcome.NO_SPACE if targets else PutOutcome.DECLINED
+            for ti in targets:
+                res = await self._put_one(ti, spec, key, view)
+                if res in (PutOutcome.STORED, PutOutcome.EXISTS):
+                    outcome = res if outcome is not PutOutcome.STORED else outcome
+            if outcome in (PutOutcome.STORED, PutOutcome.EXISTS):
+                self._ns_of[key] = spec.namespace
+                self._gone.pop(key, None)
+            out.append(outcome)
+        return out
+
+    async def _put_one(self, ti: int, spec: BlockSpec, key: BlockKey, view: object,
+                       checksum: int | None = None) -> PutOutcome:
+        """Put into tier ``ti``, making room by demotion; falls through to slower tiers."""
+        for t in range(ti, len(self.tiers)):
+            tier = self.tiers[t]
+            if not await self._make_room(t, spec):
+                continue
+            res = (await tier.put_many(spec, [key], [view]))[0]
+            self._after_self_eviction(t)
+            if res is PutOutcome.STORED:
+                self._order[t].insert(key)
+                c = self.stats.tier(tier.name)
+                c.puts += 1
+                c.bytes_written += spec.nbytes
+                return res
+            if res is PutOutcome.EXISTS:
+                self._order[t].touch(key)
+                return res
+            if res is PutOutcome.UNAVAILABLE:
+                self.stats.tier(tier.name).unavailable += 1
+        return PutOutcome.NO_SPACE
+
+    async def _make_room(self, ti: int, spec: BlockSpec) -> bool:
+        tier = self.tiers[ti]
+        if getattr(tier, "self_evicting", False):
+            return True
+        while not tier.fits(spec):
+            victims = self._order[ti].evict(1, self.leases)
+            if not victims:
+                return False
+            await self._evict(ti, victims[0])
+        return True
+
+    async def _evict(self, ti: int, key: BlockKey) -> None:
+        """Move ``key`` out of tier ``ti``: demote if the policy says so, then delete."""
+        tier = self.tiers[ti]
+        self.stats.tier(tier.name).evictions += 1
+        target = self.placement.on_evict(key, ti)
+        moved = False
+        if target is not None and target > ti:
+            with self.leases.transfer([key]):
+                moved = await self._copy(key, ti, target)
+        await tier.delete_many([key])
+        if moved:
+            self.stats.tier(self.names[target]).demotions_in += 1
+        elif not await self._held_anywhere(key):
+            self._forget(key, MissReason.EVICTED)
+            self._ns_of.pop(key, None)
+
+    async def _copy(self, key: BlockKey, src: int, dst: int) -> bool:
+        head = (await self.tiers[src].stat_many([key]))[0]
+        if head is None:
+            return False
+        spec = BlockSpec(head.namespace, head.layout, head.raw_len)
+        buf = np.empty(spec.nbytes, dtype=np.uint8)
+        if (await self.tiers[src].get_into_many(spec, [key], [buf]))[0] is not GetOutcome.HIT:
+            return False
+        return await self._put_one(dst, spec, key, buf) in (PutOutcome.STORED, PutOutcome.EXISTS)
+
+    async def _held_anywhere(self, key: BlockKey) -> bool:
+        for tier in self.tiers:
+            if (await tier.contains_many([key]))[0]:
+                return True
+        return False
+
+    def _after_self_eviction(self, ti: int) -> None:
+        drain = getattr(self.tiers[ti], "drain_evicted", None)
+        if drain is None:
+            return
+        for key in drain():
+            self._order[ti].remove(key)
+            self.stats.tier(self.names[ti]).evictions += 1
+            self._forget(key, MissReason.EVICTED)
+
+    # -- get --------------------------------------------------------------------
+    async def aget_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                        dsts: Sequence[object]) -> list[MissReason | None]:
+        """Fill each destination from the fastest tier holding its block.
+
+        Returns None per hit, else the miss reason. A corrupt copy in one tier
+        is dropped and the next tier is tried before the block counts as a miss.
+        """
+        spec = BlockSpec.of(identity)
+        keys, views = check_batch(spec, keys, dsts, writable=True)
+        tenant = identity.cache_salt or "-"
+        result: list[MissReason | None] = [MissReason.NEVER_STORED] * len(keys)
+        hit_tier: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        with self.leases.transfer(keys):
+            for ti, tier in enumerate(self.tiers):
+                if not todo:
+                    break
+                outs = await tier.get_into_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
+                todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
+            await self._promote(spec, keys, views, hit_tier)
+        for i, r in enumerate(result):
+            if r is None:
+                self.stats.tenant_hits[tenant] += 1
+            else:
+                if r is MissReason.NEVER_STORED:
+                    result[i] = r = self._reason(keys[i])
+                self.stats.miss(r, tenant)
+        return result
+
+    def _sort_outcomes(self, ti: int, keys: list[BlockKey], todo: list[int], outs: list[GetOutcome],
+                       result: list, hit_tier: list, spec: BlockSpec) -> list[int]:
+        counters = self.stats.tier(self.names[ti])
+        left = []
+        for i, outcome in zip(todo, outs):
+            if outcome is GetOutcome.HIT:
+                result[i], hit_tier[i] = None, ti
+                counters.hits += 1
+                counters.bytes_read += spec.nbytes
+                self._order[ti].touch(keys[i])
+                continue
+            if outcome is GetOutcome.CORRUPT:
+                counters.corrupt += 1
+                self._order[ti].remove(keys[i])
+                result[i] = MissReason.CORRUPT
+            elif outcome is GetOutcome.UNAVAILABLE:
+                counters.unavailable += 1
+                if result[i] is MissReason.NEVER_STORED:
+                    result[i] = MissReason.TIER_UNAVAILABLE
+            left.append(i)
+        return left
+
+    async def _promote(self, spec: BlockSpec, keys: list[BlockKey], views: list, hit_tier: list) -> None:
+        for i, ti in enumerate(hit_tier):
+            if ti is None or ti == 0:
+                continue
+            target = self.placement.on_hit(keys[i], ti)
+            if target is not None and target < ti:
+                if await self._put_one(target, spec, keys[i], views[i]) is PutOutcome.STORED:
+                    self.stats.tier(self.names[target]).promotions_in += 1
+
+    async def aget(self, identity: CacheIdentity, keys: Sequence[BlockKey]
+                   ) -> list[np.ndarray | None]:
+        """Fresh uint8 arrays for hits, None for misses."""
+        dsts = [np.empty(identity.layout.block_bytes, dtype=np.uint8) for _ in keys]
+        res = await self.aget_into(identity, keys, dsts)
+        return [d if r is None else None for d, r in zip(dsts, res)]
+
+    # -- prefetch, pins, invalidation --------------------------------------------
+    def aprefetch(self, keys: Sequence[BlockKey], to: str | int = 0) -> asyncio.Task:
+        """Start promoting ``keys`` into tier ``to``; returns a cancellable Task
+        whose result is the number of blocks moved. Bounded: at most
+        ``max_prefetch`` run at once and at most ``max_prefetch_blocks`` wait;
+        past that the request is dropped (the Task returns 0)."""
+        ti = self.names.index(to) if isinstance(to, str) else int(to)
+        if not 0 <= ti < len(self.tiers):
+            raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
+        keys = [check_key(k) for k in keys]
+        task = asyncio.get_running_loop().create_task(self._prefetch(keys, ti))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _prefetch(self, keys: list[BlockKey], ti: int) -> int:
+        if self._prefetch_queued + len(keys) > self._prefetch_budget:
+            return 0
+        self._prefetch_queued += len(keys)
+        try:
+            async with self._prefetch_slots:
+                self.stats.prefetches += 1
+                moved = 0
+                for key in keys:
+                    with self.leases.transfer([key]):
+                        moved += await self._prefetch_one(key, ti)
+                self.stats.prefetched_blocks += moved
+                return moved
+        finally:
+            self._prefetch_queued -= len(keys)
+
+    async def _prefetch_one(self, key: BlockKey, ti: int) -> int:
+        if (await self.tiers[ti].contains_many([key]))[0]:
+            return 0
+        for src in range(ti + 1, len(self.tiers)):
+            if (await self.tiers[src].contains_many([key]))[0]:
+                return int(await self._copy(key, src, ti))
+        return 0
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
+        """Lease: pinned blocks are never chosen for eviction until unpinned or expired."""
+        self.leases.pin([check_key(k) for k in keys], ttl_s)
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        self.leases.unpin([check_key(k) for k in keys])
+
+    async def ainvalidate(self, identity: CacheIdentity | bytes) -> int:
+        """Drop every block of a namespace from every tier, now. Returns blocks dropped."""
+        ns = identity.namespace_tag if isinstance(identity, CacheIdentity) else bytes(identity)
+        if len(ns) != 16:
+            raise InvalidBlock("a namespace tag is 16 bytes")
+        dropped = 0
+        for tier in self.tiers:
+            dropped += await tier.drop_namespace(ns)
+        for key in [k for k, n in self._ns_of.items() if n == ns]:
+            for order in self._order:
+                order.remove(key)
+            del self._ns_of[key]
+            self._forget(key, MissReason.INVALIDATED)
+        self.stats.invalidated_blocks += dropped
+        return dropped
+
+    async def astat(self, key: BlockKey) -> RecordHeader | None:
+        for tier in self.tiers:
+            head = (await tier.stat_many([check_key(key)]))[0]
+            if head is not None:
+                return head
+        return None
+
+    def snapshot(self) -> dict:
+        snap = self.stats.snapshot()
+        for tier, name in zip(self.tiers, self.names):
+            snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes)
+        snap["placement"] = self.placement.stats()
+        return snap
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for tier in self.tiers:
+            await tier.close()

@@ -1,0 +1,200 @@
+"""TieredStore over real DRAM tiers (and the reference tier as a slower one)."""
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidBlock, KVStoreError
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
+from kvstore.record import BlockSpec
+from kvstore.store import TieredStore
+from kvstore.sync import KVStore
+from kvstore.tiers.dram import DramConfig, DramTier
+from kvstore.tiers.memory import MemoryTier
+
+ID = CacheIdentity("test/model", KVLayout(2, 2, 32, 16, dtype="float16"))
+BB = ID.layout.block_bytes  # 8 KiB
+TOKENS = list(range(16 * 12))
+KEYS = block_keys(ID, TOKENS)
+
+
+def block(i):
+    return np.random.default_rng(i).integers(0, 256, BB, dtype=np.uint8)
+
+
+def dram(blocks, name="dram"):
+    return DramTier(DramConfig(capacity_bytes=blocks * BB, page_bytes=BB, pinned="no", name=name))
+
+
+class Faulty(MemoryTier):
+    """Fault injection: a slower tier that is down, or that returns corrupt reads."""
+
+    def __init__(self, mode, name="l3"):
+        super().__init__(1 << 30, name)
+        self.mode = mode
+
+    async def get_into_many(self, spec, keys, dsts):
+        real = await super().get_into_many(spec, keys, dsts)
+        bad = GetOutcome.UNAVAILABLE if self.mode == "down" else GetOutcome.CORRUPT
+        if self.mode == "down":
+            return [bad] * len(keys)
+        return [bad if o is GetOutcome.HIT else o for o in real]
+
+
+@pytest.fixture
+def run():
+    loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.close()
+
+
+def test_put_lookup_get_round_trip(run):
+    s = TieredStore([dram(16)])
+    assert run(s.aput(ID, KEYS[:5], [block(i) for i in range(5)])) == [PutOutcome.STORED] * 5
+    assert run(s.aput(ID, KEYS[:5], [block(i) for i in range(5)])) == [PutOutcome.EXISTS] * 5
+    res = run(s.alookup(KEYS[:7]))
+    assert res.prefix_blocks == 5 and res.tiers[:5] == ["dram"] * 5 and res.tiers[5] is None
+    assert res.reasons[5] is MissReason.NEVER_STORED
+    dsts = [np.zeros(BB, np.uint8) for _ in range(6)]
+    out = run(s.aget_into(ID, KEYS[:6], dsts))
+    assert out[:5] == [None] * 5 and out[5] is MissReason.NEVER_STORED
+    for i in range(5):
+        assert np.array_equal(dsts[i], block(i))
+    assert s.stats.misses[MissReason.NEVER_STORED] == 1 and s.stats.hits == 5
+
+
+def test_lookup_prefix_stops_at_first_gap(run):
+    s = TieredStore([dram(16)])
+    run(s.aput(ID, [KEYS[0], KEYS[1], KEYS[3]], [block(0), block(1), block(3)]))
+    assert run(s.alookup(KEYS[:4])).prefix_blocks == 2
+
+
+def test_eviction_demotes_and_hit_promotes(run):
+    s = TieredStore([dram(4), dram(32, "dram2")])
+    run(s.aput(ID, KEYS[:8], [block(i) for i in range(8)]))
+    res = run(s.alookup(KEYS[:8]))
+    assert res.prefix_blocks == 8
+    assert res.tiers[:4] == ["dram2"] * 4 and res.tiers[4:] == ["dram"] * 4  # LRU demoted the oldest
+    dst = np.zeros(BB, np.uint8)
+    assert run(s.aget_into(ID, [KEYS[0]], [dst])) == [None]
+    assert np.array_equal(dst, block(0))
+    assert run(s.alookup([KEYS[0]])).tiers == ["dram"]  # promoted on hit
+    snap = s.snapshot()
+    assert snap["tiers"]["dram2"]["demotions_in"] >= 4 and snap["tiers"]["dram"]["promotions_in"] == 1
+    assert snap["tiers"]["dram"]["used_bytes"] <= snap["tiers"]["dram"]["capacity_bytes"]
+
+
+def test_eviction_from_the_last_tier_records_the_reason(run):
+    s = TieredStore([dram(4)])
+    run(s.aput(ID, KEYS[:6], [block(i) for i in range(6)]))
+    res = run(s.alookup(KEYS[:6]))
+    assert res.reasons[0] is MissReason.EVICTED and res.tiers[5] == "dram"
+    assert run(s.aget_into(ID, [KEYS[0]], [np.zeros(BB, np.uint8)])) == [MissReason.EVICTED]
+    assert s.stats.misses[MissReason.EVICTED] == 1
+
+
+def test_pinned_blocks_are_never_evicted(run):
+    now = [0.0]
+    s = TieredStore([dram(4)], clock=lambda: now[0])
+    run(s.aput(ID, KEYS[:4], [block(i) for i in range(4)]))
+    s.pin(KEYS[:4], ttl_s=10)
+    assert run(s.aput(ID, [KEYS[4]], [block(4)])) == [PutOutcome.NO_SPACE]
+    assert run(s.alookup(KEYS[:4])).prefix_blocks == 4
+    now[0] = 11.0  # the lease expired
+    assert run(s.aput(ID, [KEYS[4]], [block(4)])) == [PutOutcome.STORED]
+    s.unpin(KEYS[:4])
+
+
+def test_pin_needs_a_positive_ttl():
+    s = TieredStore([dram(4)])
+    with pytest.raises(KVStoreError):
+        s.pin(KEYS[:1], ttl_s=0)
+
+
+def test_corrupt_copy_falls_back_then_counts(run):
+    bad = Faulty("corrupt")
+    s = TieredStore([dram(4), bad])
+    run(bad.put_many(BlockSpec.of(ID), [KEYS[0]], [block(0)]))
+    out = run(s.aget_into(ID, [KEYS[0]], [np.zeros(BB, np.uint8)]))
+    assert out == [MissReason.CORRUPT] and s.stats.misses[MissReason.CORRUPT] == 1
+
+
+def test_tier_down_is_a_miss_not_an_exception(run):
+    s = TieredStore([dram(4), Faulty("down")])
+    out = run(s.aget_into(ID, KEYS[:2], [np.zeros(BB, np.uint8) for _ in range(2)]))
+    assert out == [MissReason.TIER_UNAVAILABLE] * 2
+    snap = s.snapshot()
+    assert snap["misses"]["tier_unavailable"] == 2 and snap["tiers"]["l3"]["unavailable"] == 2
+
+
+def test_invalidate_drops_a_namespace_now(run):
+    other = ID.replace(cache_salt="tenant-b")
+    okeys = block_keys(other, TOKENS)
+    s = TieredStore([dram(16)])
+    run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)]))
+    run(s.aput(other, okeys[:3], [block(i) for i in range(3)]))
+    assert run(s.ainvalidate(ID)) == 3
+    assert run(s.alookup(KEYS[:3])).reasons == [MissReason.INVALIDATED] * 3
+    assert run(s.alookup(okeys[:3])).prefix_blocks == 3
+    assert s.tiers[0].used_bytes == 3 * BB
+
+
+def test_bad_input_leaves_the_store_intact(run):
+    s = TieredStore([dram(8)])
+    run(s.aput(ID, KEYS[:2], [block(0), block(1)]))
+    with pytest.raises(InvalidBlock):
+        run(s.aput(ID, KEYS[2:4], [block(2), block(3)[:-1]]))
+    with pytest.raises(InvalidBlock):
+        run(s.aget_into(ID, KEYS[:1], [np.zeros(BB - 1, np.uint8)]))
+    assert run(s.alookup(KEYS[:4])).prefix_blocks == 2 and s.tiers[0].used_bytes == 2 * BB
+
+
+def test_prefetch_promotes_and_is_bounded(run):
+    s = TieredStore([dram(8), dram(32, "slow")], max_prefetch_blocks=4)
+    spec = BlockSpec.of(ID)
+    run(s.tiers[1].put_many(spec, KEYS[:6], [block(i) for i in range(6)]))
+
+    async def go():
+        moved = await s.aprefetch(KEYS[:3], to="dram")
+        refused = await s.aprefetch(KEYS[:6], to="dram")  # over the budget: dropped
+        return moved, refused
+    moved, refused = run(go())
+    assert (moved, refused) == (3, 0)
+    assert run(s.alookup(KEYS[:3])).tiers == ["dram"] * 3
+
+
+def test_prefetch_can_be_cancelled(run):
+    s = TieredStore([dram(8), dram(32, "slow")])
+
+    async def go():
+        task = s.aprefetch(KEYS[:3], to=0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return s.leases.refcount(KEYS[0])
+    assert run(go()) == 0
+
+
+def test_sync_facade_from_many_threads():
+    with KVStore(lambda: TieredStore([dram(64)])) as kv:
+        errors = []
+
+        def worker(t):
+            try:
+                keys = block_keys(ID.replace(cache_salt=str(t)), TOKENS)
+                assert kv.put(ID.replace(cache_salt=str(t)), keys, [block(i) for i in range(12)])
+                got = kv.get(ID.replace(cache_salt=str(t)), keys)
+                assert all(np.array_equal(g, block(i)) for i, g in enumerate(got))
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert not errors
+        assert kv.lookup(block_keys(ID.replace(cache_salt="2"), TOKENS)).prefix_blocks == 12
+        assert kv.stats()["hits"] == 48
+        assert kv.prefetch(KEYS[:2]).result(timeout=5) == 0
+        assert kv.invalidate(ID.replace(cache_salt="1")) == 12

@@ -1,0 +1,140 @@
+"""DRAM tier: one pre-allocated, pre-touched arena (pinned where CUDA exists).
+
+Blocks live in fixed slots of a slab allocator (:mod:`kvstore.tiers.slab`);
+the record header lives in the Python index beside the slot offset, so a put
+is one memcpy into the arena and a get one memcpy out.
+
+No checksum is computed here: DRAM does not tear, and hashing 2 MiB would
+cost ~40% of the copy. A checksum handed in by a slower tier (on promotion)
+is kept in the header and handed on again on demotion.
+
+Threading: coroutine methods run on one event loop; copies run inline (a
+2 MiB memcpy is ~0.1-0.3 ms, cheaper than a thread hop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+from kvstore.hostmem import alloc_arena
+from kvstore.keys import BlockKey
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import BlockSpec, RecordHeader, check_layout, make_header
+from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.slab import SlabAllocator
+
+DEFAULT_PAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    capacity_bytes: int
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    pinned: str = "auto"          # auto | yes | no
+    name: str = "dram"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 4096:
+            raise ConfigError(f"DRAM capacity_bytes must be an int >= 4096, got {self.capacity_bytes!r}")
+        if not isinstance(self.page_bytes, int) or self.page_bytes < 4096:
+            raise ConfigError(f"DRAM page_bytes must be an int >= 4096, got {self.page_bytes!r}")
+        if self.pinned not in ("auto", "yes", "no"):
+            raise ConfigError(f"pinned must be auto, yes or no, got {self.pinned!r}")
+
+
+class DramTier(TierOps):
+    persistent = False
+
+    def __init__(self, config: DramConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._arena, self.pinned = alloc_arena(config.capacity_bytes, pinned=config.pinned)
+        self._alloc = SlabAllocator(config.capacity_bytes, min(config.page_bytes, config.capacity_bytes))
+        self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
+        return self._alloc.can_alloc(spec.nbytes, count)
+
+    def iter_keys(self) -> Iterator[BlockKey]:
+        return iter(list(self._index))
+
+    def view(self, key: BlockKey) -> np.ndarray | None:
+        """Zero-copy read-only view of a stored block (valid until it is deleted)."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        off, head = entry
+        out = self._arena[off:off + head.raw_len]
+        out.flags.writeable = False
+        return out
+
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [k in self._index for k in keys]
+
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
+        return [e[1] if (e := self._index.get(k)) else None for k in keys]
+
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey], payloads: Sequence[object],
+                       checksums: Sequence[int | None] | None = None) -> list[PutOutcome]:
+        keys, views = check_batch(spec, keys, payloads, writable=False)
+        self._alloc.check(spec.nbytes)
+        out = []
+        for i, (key, view) in enumerate(zip(keys, views)):
+            if key in self._index:
+                out.append(PutOutcome.EXISTS)
+                continue
+            off = self._alloc.alloc(spec.nbytes)
+            if off is None:
+                out.append(PutOutcome.NO_SPACE)
+                continue
+            self._arena[off:off + spec.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            csum = checksums[i] if checksums else None
+            head = make_header(key, spec, view, flags=0, csum=0) if csum is None else \
+                make_header(key, spec, view, csum=csum)
+            self._index[key] = (off, head)
+            out.append(PutOutcome.STORED)
+        return out
+
+    async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                            dsts: Sequence[object]) -> list[GetOutcome]:
+        keys, views = check_batch(spec, keys, dsts, writable=True)
+        entries = [self._index.get(k) for k in keys]
+        for e in entries:  # refuse the whole batch before writing any destination
+            if e is not None:
+                check_layout(e[1], spec)
+        out = []
+        for entry, view in zip(entries, views):
+            if entry is None:
+                out.append(GetOutcome.MISS)
+                continue
+            off = entry[0]
+            np.copyto(np.frombuffer(view, dtype=np.uint8), self._arena[off:off + spec.nbytes])
+            out.append(GetOutcome.HIT)
+        return out
+
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        out = []
+        for key in keys:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._alloc.free(entry[0])
+            out.append(entry is not None)
+        return out
+
+    async def drop_namespace(self, namespace: bytes) -> int:
+        doomed = [k for k, (_, h) in self._index.items() if h.namespace == namespace]
+        return sum(await self.delete_many(doomed))
+
+    async def close(self) -> None:
+        self._index.clear()
