@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from kvstore.errors import ConfigError
 from kvstore.units import parse_size
 
-_SIZE_FIELDS = ("hbm_bytes", "dram_bytes", "nvme_bytes", "nvme_segment_bytes")
+_SIZE_FIELDS = ("hbm_bytes", "dram_bytes", "nvme_bytes", "nvme_segment_bytes", "redis_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class StoreConfig:
     nvme_segment_bytes: int = 64 << 20
     nvme_durability: str = "none"       # none | fsync
     redis_url: str | None = None
+    redis_bytes: int = 1 << 30          # the share of the Redis server this store may fill
     redis_prefix: str = "kvs:"
     redis_ttl_s: int | None = None
     redis_cluster: bool = False
@@ -44,9 +45,8 @@ class StoreConfig:
             raise ConfigError("nvme_bytes given without nvme_path")
         if self.nvme_durability not in ("none", "fsync"):
             raise ConfigError(f"nvme_durability must be none or fsync, got {self.nvme_durability!r}")
-        if self.redis_url is not None and not str(self.redis_url).startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://")):
+            raise ConfigError(f"redis_url must start with redis:// or rediss://, got {self.redis_url!r}")
         if self.policy not in ("default", "regime"):
             raise ConfigError(f"policy must be default or regime, got {self.policy!r}")
         if not (self.hbm_bytes or self.dram_bytes or self.nvme_bytes or self.redis_url):

@@ -52,6 +52,7 @@ class DramTier(TierOps):
         self.config = config
         self.name = config.name
         self._arena, self.pinned = alloc_arena(config.capacity_bytes, pinned=config.pinned)
+        self._mv = memoryview(self._arena)  # slice assignment on a memoryview is a plain memcpy
         self._alloc = SlabAllocator(config.capacity_bytes, min(config.page_bytes, config.capacity_bytes))
         self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}
 
@@ -98,7 +99,7 @@ class DramTier(TierOps):
             if off is None:
                 out.append(PutOutcome.NO_SPACE)
                 continue
-            self._arena[off:off + spec.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            self._mv[off:off + spec.nbytes] = view
             csum = checksums[i] if checksums else None
             head = make_header(key, spec, view, flags=0, csum=0) if csum is None else \
                 make_header(key, spec, view, csum=csum)
@@ -119,7 +120,7 @@ class DramTier(TierOps):
                 out.append(GetOutcome.MISS)
                 continue
             off = entry[0]
-            np.copyto(np.frombuffer(view, dtype=np.uint8), self._arena[off:off + spec.nbytes])
+            view[:] = self._mv[off:off + spec.nbytes]
             out.append(GetOutcome.HIT)
         return out
 

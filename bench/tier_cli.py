@@ -1,0 +1,58 @@
+"""Terminal and JSON front end of `kvstore bench tiers`."""
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Callable, Sequence
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvstore.bench import tiers as tb
+from kvstore.units import format_size
+
+
+def _runner(name: str) -> Callable:
+    if name == "dram":
+        return tb.bench_dram
+    if name == "nvme":
+        return tb.bench_nvme
+    if name == "redis":
+        from kvstore.bench.redis_raw import bench_redis  # noqa: PLC0415
+        return bench_redis
+    from kvstore.bench.hbm_raw import bench_hbm  # noqa: PLC0415
+    return bench_hbm
+
+
+def render(rows: Sequence[dict], command: str) -> Table:
+    table = Table(title="kvstore bench tiers (median of repeats; min-max in brackets)", caption=command)
+    for col in ("tier", "op", "block", "GB/s", "raw GB/s", "ratio"):
+        table.add_column(col, justify="right" if col not in ("tier", "op") else "left")
+    for r in rows:
+        table.add_row(r["tier"], r["op"], format_size(r["block_bytes"]),
+                      f"{r['gbps']:.2f} [{r['gbps_min']:.2f}-{r['gbps_max']:.2f}]",
+                      f"{r['raw_gbps']:.2f} [{r['raw_gbps_min']:.2f}-{r['raw_gbps_max']:.2f}]",
+                      f"{r['ratio']:.2f}")
+    return table
+
+
+def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int, blocks: int,
+                   repeats: int, batch: int, nvme_path: str | None, redis_url: str | None,
+                   json_path: str | None, argv: Sequence[str]) -> list[dict]:
+    cfg = tb.TierBenchConfig(tiers=tiers, block_bytes=block_bytes, blocks=blocks, repeats=repeats,
+                             batch=batch, nvme_path=nvme_path, redis_url=redis_url)
+    command = "kvstore " + " ".join(shlex.quote(a) for a in argv[1:])
+    rows: list[dict] = []
+    with Progress(console=console, transient=True) as progress:
+        for name in cfg.tiers:
+            task = progress.add_task(f"{name}: {repeats} x {blocks} blocks of {format_size(block_bytes)}",
+                                     total=repeats)
+            rows += _runner(name)(cfg, lambda t=task: progress.advance(t))
+    console.print(render(rows, command))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"rows": rows, "command": command, "config": {
+                "tiers": list(tiers), "block_bytes": block_bytes, "blocks": blocks,
+                "repeats": repeats, "batch": batch}}, f, indent=2)
+    return rows

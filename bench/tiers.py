@@ -1,0 +1,167 @@
+"""`kvstore bench tiers`: each tier's put/get GB/s beside the raw limit for the
+same bytes, measured in the same run, repeat by repeat (tier and raw
+interleaved, so both see the same machine noise).
+
+Raw limits: numpy memcpy between pre-touched buffers (DRAM); sequential file
+writes with the same durability and reads from the same page-cache state
+(NVMe: posix_fadvise DONTNEED before every timed read, tier and raw alike);
+raw redis-py (Redis); raw cupy pinned<->device copies (HBM).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+from kvstore.record import HEADER_BYTES, BlockSpec
+
+KNOWN_TIERS = ("hbm", "dram", "nvme", "redis")
+
+
+@dataclass(frozen=True, slots=True)
+class TierBenchConfig:
+    tiers: tuple[str, ...]
+    block_bytes: int = 2 << 20
+    blocks: int = 128
+    repeats: int = 5
+    batch: int = 16
+    nvme_path: str | None = None
+    redis_url: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tiers if t not in KNOWN_TIERS]
+        if unknown or not self.tiers:
+            raise ConfigError(f"unknown tier(s) {unknown}; choose from {', '.join(KNOWN_TIERS)}")
+        if self.block_bytes < 4096 or self.blocks < 1 or self.repeats < 1 or self.batch < 1:
+            raise ConfigError("block size >= 4096 bytes, and blocks, repeats, batch >= 1")
+        if "redis" in self.tiers and not self.redis_url:
+            raise ConfigError("the redis tier needs --redis-url (or KVSTORE_REDIS_URL)")
+
+
+def keys_for(n: int) -> list[bytes]:
+    return [(i + 1).to_bytes(8, "big") * 4 for i in range(n)]
+
+
+def make_blocks(n: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
+    """Pre-touched source blocks of incompressible bytes."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def timed(fn: Callable[[], object], nbytes: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def row(tier: str, op: str, block_bytes: int, gbps: list[float], raw: list[float]) -> dict:
+    med, raw_med = statistics.median(gbps), statistics.median(raw)
+    return {"tier": tier, "op": op, "block_bytes": block_bytes, "gbps": med, "raw_gbps": raw_med,
+            "ratio": med / raw_med if raw_med else float("nan"),
+            "gbps_min": min(gbps), "gbps_max": max(gbps), "raw_gbps_min": min(raw),
+            "raw_gbps_max": max(raw), "repeats": len(gbps)}
+
+
+# -- DRAM -----------------------------------------------------------------------
+def bench_dram(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
+    from kvstore.tiers.dram import DramConfig, DramTier  # noqa: PLC0415
+
+    n, bb = cfg.blocks, cfg.block_bytes
+    spec, keys, src = BlockSpec.raw(bb), keys_for(n), make_blocks(n, bb)
+    dst = make_blocks(n, bb, seed=1)
+    tier = DramTier(DramConfig(capacity_bytes=n * (bb + 4096) + (64 << 20), pinned="auto"))
+    raw_arena = make_blocks(n, bb, seed=2)  # the raw copy's destination: as big as the tier's arena
+    loop = asyncio.new_event_loop()
+    put, get, raw_put, raw_get = [], [], [], []
+    for _ in range(cfg.repeats):
+        raw_put.append(timed(lambda: [np.copyto(raw_arena[i], src[i]) for i in range(n)], n * bb))
+        put.append(timed(lambda: [loop.run_until_complete(tier.put_many(spec, keys[i:i + cfg.batch],
+                                                                         src[i:i + cfg.batch]))
+                                  for i in range(0, n, cfg.batch)], n * bb))
+        raw_get.append(timed(lambda: [np.copyto(dst[i], raw_arena[i]) for i in range(n)], n * bb))
+        get.append(timed(lambda: [loop.run_until_complete(tier.get_into_many(spec, keys[i:i + cfg.batch],
+                                                                              dst[i:i + cfg.batch]))
+                                  for i in range(0, n, cfg.batch)], n * bb))
+        loop.run_until_complete(tier.delete_many(keys))
+        tick()
+    loop.run_until_complete(tier.close())
+    loop.close()
+    return [row("dram", "put", bb, put, raw_put), row("dram", "get", bb, get, raw_get)]
+
+
+# -- NVMe -----------------------------------------------------------------------
+def _raw_file_write(path: str, blocks: list[np.ndarray], batch: int) -> None:
+    """Sequential writes of header+payload pairs, one fdatasync per batch: the tier's durability."""
+    header = b"\0" * HEADER_BYTES
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(0, len(blocks), batch):
+            bufs = []
+            for b in blocks[i:i + batch]:
+                bufs += [header, b]
+            os.writev(fd, bufs)
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_file_read(path: str, dsts: list[np.ndarray]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off = 0
+        for d in dsts:
+            off += HEADER_BYTES
+            os.preadv(fd, [d], off)
+            off += d.nbytes
+    finally:
+        os.close(fd)
+
+
+def _drop_file_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
+
+    n, bb = cfg.blocks, cfg.block_bytes
+    root = tempfile.mkdtemp(prefix="kvstore-bench-", dir=cfg.nvme_path)
+    spec, keys, src = BlockSpec.raw(bb), keys_for(n), make_blocks(n, bb)
+    dst = make_blocks(n, bb, seed=1)
+    raw_path = os.path.join(root, "raw.bin")
+    loop = asyncio.new_event_loop()
+    put, get, raw_put, raw_get = [], [], [], []
+    try:
+        for rep in range(cfg.repeats):
+            tier_dir = os.path.join(root, f"tier{rep}")
+            tier = NvmeTier(NvmeConfig(path=tier_dir, capacity_bytes=2 * n * (bb + 4096) + (256 << 20),
+                                       durability="fsync"))
+            raw_put.append(timed(lambda: _raw_file_write(raw_path, src, cfg.batch), n * bb))
+            put.append(timed(lambda: [loop.run_until_complete(tier.put_many(spec, keys[i:i + cfg.batch],
+                                                                             src[i:i + cfg.batch]))
+                                      for i in range(0, n, cfg.batch)], n * bb))
+            _drop_file_cache(raw_path)
+            raw_get.append(timed(lambda: _raw_file_read(raw_path, dst), n * bb))
+            tier.drop_page_cache()
+            get.append(timed(lambda: [loop.run_until_complete(tier.get_into_many(spec, keys[i:i + cfg.batch],
+                                                                                  dst[i:i + cfg.batch]))
+                                      for i in range(0, n, cfg.batch)], n * bb))
+            loop.run_until_complete(tier.close())
+            shutil.rmtree(tier_dir, ignore_errors=True)
+            tick()
+    finally:
+        loop.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return [row("nvme", "put", bb, put, raw_put), row("nvme", "get", bb, get, raw_get)]

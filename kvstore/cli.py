@@ -1,0 +1,88 @@
+"""The kvstore command line: `kvstore keys`, `kvstore demo`, `kvstore bench ...`."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+from rich.console import Console
+
+from kvstore import settings
+from kvstore.errors import KVStoreError
+from kvstore.units import parse_size
+
+console = Console()
+
+
+class Size(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        try:
+            return parse_size(value)
+        except KVStoreError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = Size()
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}")
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvstore")
+def main() -> None:
+    """kvstore: a tiered KV-cache store for LLM inference (HBM, DRAM, NVMe, Redis)."""
+    logging.basicConfig(level=settings.load().log_level, format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--identity", "identity_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="ID.json: the cache identity's fields by name.")
+@click.option("--tokens", "tokens_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="TOKENS.json: a list of token ids, or {\"tokens\": [...], \"extras\": [[...], ...]}.")
+@click.option("--block-size", type=int, default=None, help="Tokens per block (overrides the identity's).")
+def keys(identity_path: str, tokens_path: str, block_size: int | None) -> None:
+    """Print one hex key per sealed block, one per line."""
+    from kvstore.keyfiles import keys_from_files  # noqa: PLC0415
+
+    try:
+        for k in keys_from_files(identity_path, tokens_path, block_size):
+            click.echo(k.hex())
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: tier throughput, trace replay, regime sweep."""
+
+
+@bench.command("tiers")
+@click.option("--tiers", default="dram,nvme", show_default=True, help="Comma list of hbm,dram,nvme,redis.")
+@click.option("--block-size", default="2MiB", type=SIZE, show_default=True)
+@click.option("--blocks", default=128, show_default=True, help="Blocks per repeat.")
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--batch", default=16, show_default=True, help="Blocks per put_many/get_into_many call.")
+@click.option("--nvme-path", default=None, help="Directory for the NVMe tier (default: a temp dir).")
+@click.option("--redis-url", default=None, help="Redis URL for the redis tier (or KVSTORE_REDIS_URL).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path) -> None:
+    """Put/get GB/s per tier beside the raw limit measured in the same run."""
+    from kvstore.bench.tier_cli import run_tier_bench  # noqa: PLC0415
+
+    try:
+        run_tier_bench(console, tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
+                       block_bytes=block_size, blocks=blocks, repeats=repeats, batch=batch,
+                       nvme_path=nvme_path, redis_url=redis_url or settings.load().redis_url,
+                       json_path=json_path, argv=sys.argv)
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Build a store from a StoreConfig: the only module that imports every tier.
+
+Tier modules are imported only when configured, so a DRAM-only store never
+imports redis or cupy.
+"""
+from __future__ import annotations
+
+from kvstore.config import StoreConfig
+from kvstore.store import TieredStore
+from kvstore.sync import KVStore
+
+
+def build_tiers(cfg: StoreConfig) -> list:
+    """Tiers fastest first. Must run on the event loop that will own them."""
+    tiers = []
+    if cfg.hbm_bytes:
+        from kvstore.tiers.hbm import HbmConfig, HbmTier  # noqa: PLC0415
+        tiers.append(HbmTier(HbmConfig(capacity_bytes=cfg.hbm_bytes, device=cfg.hbm_device)))
+    if cfg.dram_bytes:
+        from kvstore.tiers.dram import DramConfig, DramTier  # noqa: PLC0415
+        tiers.append(DramTier(DramConfig(capacity_bytes=cfg.dram_bytes, pinned=cfg.dram_pinned)))
+    if cfg.nvme_bytes:
+        from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
+        tiers.append(NvmeTier(NvmeConfig(path=cfg.nvme_path, capacity_bytes=cfg.nvme_bytes,
+                                         segment_bytes=cfg.nvme_segment_bytes,
+                                         durability=cfg.nvme_durability)))
+    if cfg.redis_url:
+        from kvstore.tiers.redis import RedisConfig, RedisTier  # noqa: PLC0415
+        tiers.append(RedisTier(RedisConfig(url=cfg.redis_url, capacity_bytes=cfg.redis_bytes,
+                                           prefix=cfg.redis_prefix, cluster=cfg.redis_cluster,
+                                           ttl_s=cfg.redis_ttl_s, compression=cfg.redis_compression)))
+    return tiers
+
+
+def build_placement(cfg: StoreConfig, names: list[str]):
+    if cfg.policy == "regime":
+        from kvstore.policies.regime import RegimePlacement  # noqa: PLC0415
+        return RegimePlacement(names)
+    return None  # the store's default
+
+
+def build_store(cfg: StoreConfig) -> TieredStore:
+    tiers = build_tiers(cfg)
+    return TieredStore(tiers, placement=build_placement(cfg, [t.name for t in tiers]),
+                       max_prefetch=cfg.max_prefetch)
+
+
+def open_store(cfg: StoreConfig) -> KVStore:
+    """A blocking store on its own event-loop thread (close it, or use `with`)."""
+    return KVStore(lambda: build_store(cfg))
