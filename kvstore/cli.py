@@ -29,7 +29,7 @@ SIZE = Size()
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
+    click.echo(f"error: {exc}", err=True)  # plain stderr: no wrapping, greppable
     sys.exit(2)
 
 
@@ -53,6 +53,30 @@ def keys(identity_path: str, tokens_path: str, block_size: int | None) -> None:
     try:
         for k in keys_from_files(identity_path, tokens_path, block_size):
             click.echo(k.hex())
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.option("--working-set", "working_set", default="400K", type=SIZE, show_default=True,
+              help="Sustained working set of the generated agent workload, in tokens.")
+@click.option("--duration", default=240.0, show_default=True, help="Simulated seconds of agent traffic.")
+@click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Replay a Mooncake-format JSONL trace instead of the generator.")
+@click.option("--max-requests", default=None, type=int, help="Stop after this many requests.")
+@click.option("--dram", "dram_bytes", default="64MiB", type=SIZE, show_default=True)
+@click.option("--nvme", "nvme_bytes", default="512MiB", type=SIZE, show_default=True)
+@click.option("--nvme-path", default=None, help="NVMe tier directory (default: a fresh temp dir).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def demo(working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvme_path, seed, json_path) -> None:
+    """The main job: replay an agent workload through a DRAM + NVMe store, verify every hit."""
+    from kvstore.demo_cli import run_demo_cli  # noqa: PLC0415
+
+    try:
+        run_demo_cli(console, working_set=working_set, duration=duration, trace=trace,
+                     max_requests=max_requests, dram_bytes=dram_bytes, nvme_bytes=nvme_bytes,
+                     nvme_path=nvme_path, seed=seed, json_path=json_path)
     except KVStoreError as exc:
         _fail(exc)
 

@@ -27,7 +27,8 @@ class TierCounters:
 @dataclass(slots=True)
 class StoreStats:
     tiers: dict[str, TierCounters] = field(default_factory=dict)
-    misses: Counter = field(default_factory=Counter)          # MissReason -> count
+    misses: Counter = field(default_factory=Counter)          # MissReason -> count (gets)
+    lookup_misses: Counter = field(default_factory=Counter)   # why each lookup's prefix ended
     tenant_hits: Counter = field(default_factory=Counter)
     tenant_misses: Counter = field(default_factory=Counter)
     lookups: int = 0
@@ -64,6 +65,7 @@ class StoreStats:
             "hit_rate": self.hit_rate(),
             "hits": self.hits,
             "misses": {r.value: self.misses.get(r, 0) for r in MissReason},
+            "lookup_misses": {r.value: self.lookup_misses.get(r, 0) for r in MissReason},
             "tiers": {n: {k: getattr(c, k) for k in c.__slots__} for n, c in self.tiers.items()},
             "tenants": dict(per_tenant),
             "lookups": self.lookups, "lookup_blocks": self.lookup_blocks,

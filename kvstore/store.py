@@ -87,8 +87,10 @@ class TieredStore:
         self.stats.lookup_blocks += len(keys)
         self.stats.lookup_hit_blocks += prefix
         self.placement.on_request(keys, self.clock())
-        return LookupResult(prefix, [self.names[w] if w is not None else None for w in where],
-                            [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)])
+        reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
+        if prefix < len(keys):
+            self.stats.lookup_misses[reasons[prefix]] += 1
+        return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
 
     def _reason(self, key: BlockKey) -> MissReason:
         return self._gone.get(key, MissReason.NEVER_STORED)

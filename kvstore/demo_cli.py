@@ -1,0 +1,73 @@
+"""Terminal front end of `kvstore demo`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from itertools import islice
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvstore import demo
+from kvstore.store import TieredStore
+from kvstore.units import format_size
+
+
+def _requests(working_set: int, duration: float, trace: str | None, seed: int, max_requests: int | None):
+    if trace:
+        from kvstore.bench.trace import read_trace  # noqa: PLC0415
+        reqs, block_tokens = read_trace(trace), 512
+    else:
+        from kvstore.bench.workload import AgentWorkloadConfig, generate  # noqa: PLC0415
+        cfg = AgentWorkloadConfig(seed=seed, working_set_tokens=working_set, duration_s=duration)
+        reqs, block_tokens = generate(cfg), cfg.block_tokens
+    return list(islice(reqs, max_requests)), block_tokens
+
+
+def _summary(res: demo.DemoResult, dram: int, nvme: int, path: str) -> Table:
+    t = Table(title="kvstore demo: agent workload through DRAM + NVMe", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    snap = res.store
+    t.add_row("requests", f"{res.requests:,}")
+    t.add_row("prompt tokens", f"{res.prompt_tokens:,}")
+    t.add_row("tokens served from the store", f"{res.hit_tokens:,} ({res.token_hit_rate:.1%})")
+    t.add_row("blocks loaded / stored", f"{res.blocks_loaded:,} / {res.blocks_stored:,}")
+    for name, c in snap["tiers"].items():
+        t.add_row(f"{name}: hits, used / capacity",
+                  f"{c['hits']:,}, {format_size(c['used_bytes'])} / {format_size(c['capacity_bytes'])}")
+        t.add_row(f"{name}: read / written", f"{format_size(c['bytes_read'])} / {format_size(c['bytes_written'])}")
+    misses = ", ".join(f"{k} {v:,}" for k, v in snap["lookup_misses"].items() if v) or "none"
+    t.add_row("where prefixes ended (miss reason)", misses)
+    t.add_row("wrong bytes in loaded blocks", f"{res.wrong_bytes}")
+    t.add_row("wall time", f"{res.wall_s:.1f} s ({res.requests / max(res.wall_s, 1e-9):,.0f} req/s)")
+    t.add_row("store", f"DRAM {format_size(dram)} + NVMe {format_size(nvme)}")
+    return t
+
+
+def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: str | None,
+                 max_requests: int | None, dram_bytes: int, nvme_bytes: int, nvme_path: str | None,
+                 seed: int, json_path: str | None) -> demo.DemoResult:
+    from kvstore.config import StoreConfig  # noqa: PLC0415
+    from kvstore.factory import build_store  # noqa: PLC0415
+
+    requests, block_tokens = _requests(working_set, duration, trace, seed, max_requests)
+    identity = demo.demo_identity(block_tokens)
+    with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
+        path = nvme_path or tmp
+        cfg = StoreConfig(dram_bytes=dram_bytes, nvme_path=path, nvme_bytes=nvme_bytes)
+
+        def factory() -> TieredStore:
+            return build_store(cfg)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"replaying {len(requests):,} requests", total=len(requests))
+            res = demo.run(factory, requests, identity, lambda: progress.advance(task))
+        console.print(_summary(res, dram_bytes, nvme_bytes, path))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(res) | {"token_hit_rate": res.token_hit_rate}, f, indent=2)
+    if res.wrong_bytes:
+        raise SystemExit(f"{res.wrong_bytes} wrong bytes were loaded: this is a bug, please report it")
+    return res

@@ -1,0 +1,88 @@
+"""The CLI as a user runs it: a real subprocess, real files."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.identity import CacheIdentity
+from kvstore.keys import MediaRef, block_keys
+
+ID = {"model_id": "m/x", "model_revision": "r1", "num_layers": 2, "num_kv_heads": 2,
+      "head_dim": 32, "block_size": 16, "dtype": "float16", "cache_salt": "t1"}
+
+
+def kvstore(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+@pytest.fixture
+def files(tmp_path):
+    ident, toks = tmp_path / "id.json", tmp_path / "tokens.json"
+    ident.write_text(json.dumps(ID))
+    toks.write_text(json.dumps(list(range(50))))
+    return ident, toks
+
+
+def test_keys_prints_one_hex_key_per_sealed_block(files):
+    ident, toks = files
+    out = kvstore("keys", "--identity", str(ident), "--tokens", str(toks)).stdout.split()
+    expected = [k.hex() for k in block_keys(CacheIdentity.from_dict(ID), range(50))]
+    assert out == expected and len(out) == 3
+
+
+def test_keys_block_size_override_and_extras(files, tmp_path):
+    ident, _ = files
+    toks = tmp_path / "mm.json"
+    toks.write_text(json.dumps({"tokens": list(range(64)),
+                                "extras": [[], [{"hash": "img-1", "tokens": 20}]]}))
+    out = kvstore("keys", "--identity", str(ident), "--tokens", str(toks), "--block-size", "32").stdout.split()
+    identity = CacheIdentity.from_dict({**ID, "block_size": 32})
+    assert out == [k.hex() for k in block_keys(identity, range(64), [[], [MediaRef("img-1", 20)]])]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "not valid JSON"),
+    ('{"tokens": [1, "a"]}', "list of ints"),
+    ('{"tokenz": [1]}', "needs \"tokens\""),
+    ('{"tokens": [1], "extras": [[{"hash": "x"}]]}', "extras[0]"),
+])
+def test_keys_bad_tokens_file_is_a_clear_error(files, tmp_path, content, needle):
+    ident, _ = files
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    r = kvstore("keys", "--identity", str(ident), "--tokens", str(bad), check=False)
+    assert r.returncode == 2 and needle in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+def test_keys_bad_identity_is_a_clear_error(files, tmp_path):
+    _, toks = files
+    bad = tmp_path / "id.json"
+    bad.write_text(json.dumps({**ID, "tp_rank": 3}))
+    r = kvstore("keys", "--identity", str(bad), "--tokens", str(toks), check=False)
+    assert r.returncode == 2 and "tp_rank" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_tiers_writes_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    r = kvstore("bench", "tiers", "--tiers", "dram,nvme", "--block-size", "64KiB", "--blocks", "8",
+                "--repeats", "2", "--nvme-path", str(tmp_path), "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["tier"], x["op"]) for x in rows} == {(t, o) for t in ("dram", "nvme") for o in ("put", "get")}
+    for x in rows:
+        assert x["block_bytes"] == 65536 and x["gbps"] > 0 and x["raw_gbps"] > 0
+        assert abs(x["ratio"] - x["gbps"] / x["raw_gbps"]) < 1e-9
+    assert "ratio" in r.stdout
+
+
+def test_bench_tiers_rejects_unknown_tier():
+    r = kvstore("bench", "tiers", "--tiers", "floppy", check=False)
+    assert r.returncode == 2 and "floppy" in r.stderr
+
+
+def test_import_kvstore_stays_light():
+    code = ("import sys, kvstore, kvstore.store, kvstore.tiers.dram, kvstore.cli;"
+            "print([m for m in ('torch', 'cupy', 'redis', 'vllm') if m in sys.modules])")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
