@@ -108,5 +108,7 @@ def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url,
         _fail(exc)
 
 
+from kvstore import cli_bench  # noqa: E402,F401 - registers `bench replay` and `bench sweep`
+
 if __name__ == "__main__":
     main()

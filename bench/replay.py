@@ -1,0 +1,318 @@
+"""Trace replay: policies side by side over the same requests and capacities.
+
+``run_replay`` is what ``kvstore bench replay`` calls. Each policy gets its
+own :class:`~kvstore.bench.simulate.Simulator` (fresh tiers, fresh orders);
+the offline ``belady`` bound comes from :mod:`kvstore.policies.belady`. Time
+is modelled by :class:`~kvstore.bench.costmodel.CostModel` and the model's
+parameters are part of the result.
+
+Policies: ``hbm-only`` (engine prefix cache alone, LRU), ``always-offload``
+(write-through to DRAM, LRU), ``lru`` (LRU cascade over all configured tiers),
+``regime`` (:class:`~kvstore.policies.regime.RegimePlacement`), ``belady``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvstore.bench.costmodel import CostModel, make_cost_model
+from kvstore.bench.simulate import DataPlane, SimTier, Simulator
+from kvstore.bench.trace import TraceRequest, read_trace
+from kvstore.errors import ConfigError
+from kvstore.policies.belady import belady_tier_hits
+from kvstore.policies.eviction import LRU, make_eviction
+from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
+from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
+
+POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady")
+TIER_NAMES = ("hbm", "dram", "nvme", "redis")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """Capacities in tokens (0 = tier absent); HBM is required."""
+
+    hbm_tokens: int
+    dram_tokens: int = 0
+    nvme_tokens: int = 0
+    redis_tokens: int = 0
+    block_tokens: int = 512
+    policies: tuple[str, ...] = POLICY_NAMES
+    regime_eviction: str = "s3fifo"
+    regime_mode: str = "fixed"
+    thresholds: tuple[int, int, int] = (100_000, 250_000, 500_000)
+    window_s: float = 60.0
+    nvme_min_count: int = 2           # regime's frequency filter on NVMe / Redis writes
+    store_partial: bool = False       # Mooncake-style: the partial last block is not a key
+    windows: int = 50                 # hit-rate-over-time buckets
+
+    def __post_init__(self) -> None:
+        if self.hbm_tokens < self.block_tokens:
+            raise ConfigError("hbm_tokens must hold at least one block")
+        if min(self.dram_tokens, self.nvme_tokens, self.redis_tokens) < 0 or self.block_tokens < 1:
+            raise ConfigError("capacities must be >= 0 and block_tokens >= 1")
+        bad = [p for p in self.policies if p not in POLICY_NAMES]
+        if bad or not self.policies:
+            raise ConfigError(f"unknown policies {bad}; choose from {list(POLICY_NAMES)}")
+
+    def tiers(self) -> list[tuple[str, int]]:
+        caps = (self.hbm_tokens, self.dram_tokens, self.nvme_tokens, self.redis_tokens)
+        return [(n, c // self.block_tokens) for n, c in zip(TIER_NAMES, caps) if c > 0]
+
+
+def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
+                    data_plane: DataPlane | None = None, record_events: bool = False) -> Simulator:
+    """Fresh tiers and policy objects for one online policy."""
+    tiers = cfg.tiers()
+    names = [n for n, _ in tiers]
+    if policy == "hbm-only":
+        tiers, placement = tiers[:1], HbmOnly(names[:1])
+    elif policy == "always-offload":
+        if "dram" not in names:
+            raise ConfigError("always-offload needs --dram-tokens > 0")
+        tiers, placement = tiers[:2], AlwaysOffload(names[:2])
+    elif policy == "lru":
+        placement = Cascade(names)
+    elif policy == "regime":
+        rc = RegimeConfig(thresholds=cfg.thresholds, mode=cfg.regime_mode, window_s=cfg.window_s,
+                          tokens_per_key=cfg.block_tokens, nvme_min_count=cfg.nvme_min_count)
+        placement = RegimePlacement(
+            names, rc, capacities={n: b * cfg.block_tokens for n, b in tiers},
+            load_beats_recompute=lambda t: cost.load_beats_recompute(t, cfg.block_tokens),
+            clock=lambda: 0.0)
+    else:
+        raise ConfigError(f"{policy!r} is not an online policy")
+    # HBM is the engine's own prefix cache (LRU in vLLM / SGLang): no policy
+    # gets to reorder it; the regime policy's eviction order applies below it.
+    sim_tiers = [SimTier(n, b, make_eviction(cfg.regime_eviction)
+                         if policy == "regime" and i > 0 else LRU())
+                 for i, (n, b) in enumerate(tiers)]
+    return Simulator(sim_tiers, placement, data_plane=data_plane, record_events=record_events)
+
+
+def storable(req: TraceRequest, cfg: ReplayConfig) -> int:
+    n = len(req.hash_ids)
+    return n if cfg.store_partial or req.input_length % cfg.block_tokens == 0 else max(0, n - 1)
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Per-request outcome of one policy (inputs to :func:`summarize`)."""
+
+    tier_names: list[str]
+    hits: list[list[int]] = field(default_factory=list)      # per request, hits per tier
+    writethrough: list[int] = field(default_factory=list)
+    uses_l2: list[bool] = field(default_factory=list)
+    placement_stats: dict = field(default_factory=dict)
+    tier_io: dict = field(default_factory=dict)
+
+
+def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig, cost: CostModel,
+               data_plane: DataPlane | None = None) -> PolicyRun:
+    sim = build_simulator(policy, cfg, cost, data_plane=data_plane)
+    names = [t.name for t in sim.tiers]
+    run = PolicyRun(names)
+    nt = len(names)
+    is_regime = policy == "regime"
+    for req in requests:
+        res = sim.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg))
+        counts = [0] * nt
+        for t in res.hit_tiers:
+            counts[t] += 1
+        run.hits.append(counts)
+        run.writethrough.append(res.writethrough_blocks)
+        run.uses_l2.append(sim.placement.regime != Regime.HBM_ONLY if is_regime else nt > 1)
+    run.placement_stats = sim.placement.stats()
+    run.tier_io = {t.name: {"writes": t.writes, "reads": t.reads} for t in sim.tiers}
+    return run
+
+
+def run_belady(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> PolicyRun:
+    tiers = cfg.tiers()
+    keys = [r.hash_ids for r in requests]
+    hits = belady_tier_hits(keys, [b for _, b in tiers], [storable(r, cfg) for r in requests])
+    run = PolicyRun([n for n, _ in tiers], hits=hits, writethrough=[0] * len(requests),
+                    uses_l2=[len(tiers) > 1] * len(requests))
+    run.tier_io = {n: {"writes": None, "reads": sum(h[i] for h in hits)}
+                   for i, (n, _) in enumerate(tiers)}
+    return run
+
+
+def ttfts(run: PolicyRun, requests: Sequence[TraceRequest], cfg: ReplayConfig,
+          cost: CostModel) -> list[float]:
+    """Modelled TTFT per request, without queueing (see costmodel)."""
+    bt, out = cfg.block_tokens, []
+    for req, counts, wt, l2 in zip(requests, run.hits, run.writethrough, run.uses_l2):
+        left = min(sum(counts) * bt, req.input_length)
+        t = cost.prefill_s(req.input_length - left) + cost.offload_s(wt * bt)
+        t += cost.connector_overhead_s if l2 else 0.0
+        for i, c in enumerate(counts):
+            tok = min(c * bt, left)
+            left -= tok
+            if i:
+                t += cost.load_s(run.tier_names[i], tok)
+        out.append(t)
+    return out
+
+
+def _pct(sorted_vals: Sequence[float], q: float) -> float:
+    if not sorted_vals:
+        return 0.0
+    return sorted_vals[min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))]
+
+
+def summarize(run: PolicyRun, requests: Sequence[TraceRequest], cfg: ReplayConfig,
+              cost: CostModel) -> dict:
+    """The per-policy figures of the report (JSON-ready)."""
+    bt, kvb = cfg.block_tokens, cost.model.kv_bytes_per_token
+    blocks = sum(len(r.hash_ids) for r in requests) or 1
+    tier_hits = [sum(h[i] for h in run.hits) for i in range(len(run.tier_names))]
+    tokens_in = sum(r.input_length for r in requests) or 1
+    hit_tokens = sum(min(sum(h) * bt, r.input_length) for h, r in zip(run.hits, requests))
+    t = ttfts(run, requests, cfg, cost)
+    ts = sorted(t)
+    out = {
+        "hit_rate": sum(tier_hits) / blocks,
+        "hit_rate_by_tier": {n: h / blocks for n, h in zip(run.tier_names, tier_hits)},
+        "token_hit_rate": hit_tokens / tokens_in,
+        "recomputed_token_share": 1.0 - hit_tokens / tokens_in,
+        "ttft_mean_s": sum(t) / len(t) if t else 0.0,
+        "ttft_p50_s": _pct(ts, 0.50), "ttft_p99_s": _pct(ts, 0.99),
+        "bytes_written": {n: (v["writes"] * bt * kvb if v["writes"] is not None else None)
+                          for n, v in run.tier_io.items()},
+        "bytes_read": {n: v["reads"] * bt * kvb for n, v in run.tier_io.items()},
+        "regime_timeline": run.placement_stats.get("timeline", []),
+        "requests": len(requests), "blocks": blocks,
+    }
+    out.update(_time_and_task_figures(run, requests, cfg.windows))
+    out["_ttft"] = t          # for plots; dropped from the JSON file
+    return out
+
+
+def _time_and_task_figures(run: PolicyRun, requests: Sequence[TraceRequest], windows: int) -> dict:
+    if not requests:
+        return {}
+    t0, t1 = requests[0].timestamp_ms, requests[-1].timestamp_ms
+    width = max((t1 - t0) / windows, 1e-9)
+    win = [[0, 0] for _ in range(windows)]
+    tasks: dict[str, list[int]] = {}
+    tenants: dict[str, list[int]] = {}
+    phase = [[0, 0] for _ in range(10)]
+    for req, h in zip(requests, run.hits):
+        hit, n = sum(h), len(req.hash_ids)
+        w = win[min(windows - 1, int((req.timestamp_ms - t0) / width))]
+        w[0] += hit
+        w[1] += n
+        tn = tenants.setdefault(req.tenant, [0, 0])
+        tn[0] += hit
+        tn[1] += n
+        if req.task_id is not None:
+            tk = tasks.setdefault(req.extra.get("parent") or req.task_id, [0, 0])
+            tk[0] += hit
+            tk[1] += n
+            steps = int(req.extra.get("steps", 0) or 0)
+            if steps > 0 and "parent" not in req.extra:
+                p = phase[min(9, int(10 * int(req.extra.get("step", 0)) / steps))]
+                p[0] += hit
+                p[1] += n
+    over_time = [{"t_s": (t0 + (i + 0.5) * width) / 1000.0, "hit_rate": a / b}
+                 for i, (a, b) in enumerate(win) if b]
+    by_phase = [a / b if b else None for a, b in phase]
+    if any(v is not None for v in by_phase):
+        middle = [v for v in by_phase[2:8] if v is not None]
+    else:   # no task structure: the middle 60% of the run in time
+        middle = [p["hit_rate"] for p in over_time
+                  if 0.2 * len(win) <= (p["t_s"] * 1000 - t0) / width < 0.8 * len(win)]
+    return {
+        "hit_rate_over_time": over_time,
+        "hit_rate_by_task_phase": by_phase,
+        "middle_phase_trough": min(middle) if middle else None,
+        "task_hit_rate": (sum(a / b for a, b in tasks.values() if b) / len(tasks)) if tasks else None,
+        "tenants": {k: a / b for k, (a, b) in sorted(tenants.items()) if b},
+    }
+
+
+def load_requests(trace: str | Path | None = None, workload=None,
+                  block_tokens: int | None = None, limit: int | None = None) -> list[TraceRequest]:
+    """Requests from a Mooncake JSONL file or an :class:`AgentWorkloadConfig`."""
+    if (trace is None) == (workload is None):
+        raise ConfigError("give exactly one of trace or workload")
+    if trace is not None:
+        return read_trace(trace, block_tokens=block_tokens, limit=limit)
+    from kvstore.bench.workload import generate
+    reqs = generate(workload)
+    return reqs[:limit] if limit else reqs
+
+
+def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
+               cost: CostModel | None = None, json_out: str | Path | None = None,
+               plots_dir: str | Path | None = None, command: str | None = None,
+               data_plane_factory: Callable[[str, list[str]], DataPlane] | None = None) -> dict:
+    """Replay ``requests`` under every policy of ``cfg``; returns the report dict
+    ``{"policies": {NAME: {...}}, "cost_model": {...}, "config": {...}}``.
+
+    ``data_plane_factory(policy, tier_names)`` attaches real tiers to an online
+    policy's simulation (decisions are unchanged). Writes ``json_out`` (without
+    per-request TTFT lists) and PNG plots into ``plots_dir`` when given.
+    """
+    cost = cost or make_cost_model()
+    policies = {}
+    for name in cfg.policies:
+        if name == "always-offload" and not cfg.dram_tokens:
+            continue
+        if name == "belady":
+            run = run_belady(requests, cfg)
+        else:
+            dp = data_plane_factory(name, [n for n, _ in cfg.tiers()]) if data_plane_factory else None
+            run = run_online(name, requests, cfg, cost, dp)
+        policies[name] = summarize(run, requests, cfg, cost)
+    result = {"policies": policies, "cost_model": cost.describe(),
+              "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
+                         "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
+                         "regime_mode": cfg.regime_mode, "thresholds": list(cfg.thresholds),
+                         "window_s": cfg.window_s, "requests": len(requests)},
+              "command": command}
+    if {"lru", "regime", "belady"} <= policies.keys():
+        lru, reg, bel = (policies[p]["hit_rate"] for p in ("lru", "regime", "belady"))
+        result["gap_closed"] = (reg - lru) / (bel - lru) if bel > lru else None
+    if json_out:
+        write_json(result, json_out)
+    if plots_dir:
+        from kvstore.bench.plots import plot_replay
+        result["plots"] = plot_replay(result, plots_dir)
+    return result
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    import json
+
+    def strip(o):
+        if isinstance(o, dict):
+            return {k: strip(v) for k, v in o.items() if not str(k).startswith("_")}
+        if isinstance(o, list):
+            return [strip(v) for v in o]
+        return o
+    Path(path).write_text(json.dumps(strip(result), indent=2))
+
+
+def render_table(result: dict):
+    """A rich Table: one row per policy."""
+    from rich.table import Table
+    cfg = result.get("config", {})
+    table = Table(title=f"replay: {cfg.get('requests')} requests, tiers "
+                        f"{cfg.get('tiers_tokens')} tokens, model {result['cost_model']['model']['name']}")
+    for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "TTFT mean",
+                "p50", "p99", "trough"):
+        table.add_column(col, justify="left" if col in ("policy", "by tier") else "right")
+    f = lambda v, s="{:.1%}": "-" if v is None else s.format(v)  # noqa: E731
+    for name, p in result["policies"].items():
+        tiers = " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v)
+        table.add_row(name, f(p["hit_rate"]), tiers or "-", f(p["task_hit_rate"]),
+                      f(p["recomputed_token_share"]), f(p["ttft_mean_s"], "{:.3f}s"),
+                      f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
+                      f(p["middle_phase_trough"]))
+    if result.get("gap_closed") is not None:
+        table.caption = f"(regime - lru) / (belady - lru) = {result['gap_closed']:.2f}"
+    return table

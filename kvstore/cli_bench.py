@@ -1,0 +1,104 @@
+"""`kvstore bench replay` and `kvstore bench sweep` (registered on the bench group)."""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+from kvstore.cli import SIZE, _fail, bench, console
+from kvstore.errors import KVStoreError
+
+
+def _command() -> str:
+    return "kvstore " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _cost(model: str, gpu_tflops: float | None):
+    from kvstore.bench.costmodel import make_cost_model  # noqa: PLC0415
+    return make_cost_model(model, **({"gpu_flops": gpu_tflops * 1e12} if gpu_tflops else {}))
+
+
+def workload_options(fn):
+    """Generator flags shared by replay (--workload agent) and sweep."""
+    for opt in reversed([
+        click.option("--seed", default=0, show_default=True),
+        click.option("--working-set", default="300K", type=SIZE, show_default=True,
+                     help="Agent generator: sustained working set in tokens."),
+        click.option("--duration", default=300.0, show_default=True, help="Agent generator: seconds."),
+        click.option("--tenants", default=2, show_default=True),
+        click.option("--families", default=3, show_default=True, help="Task families (shared prompts)."),
+        click.option("--fork-prob", default=0.15, show_default=True, help="Chance a step forks sub-agents."),
+        click.option("--block-tokens", default=64, show_default=True, help="Agent generator block size."),
+        click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset."),
+        click.option("--gpu-tflops", default=None, type=float, help="Effective GPU TFLOP/s (cost model)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _workload(seed, working_set, duration, tenants, families, fork_prob, block_tokens):
+    from kvstore.bench.workload import AgentWorkloadConfig  # noqa: PLC0415
+    return AgentWorkloadConfig(seed=seed, working_set_tokens=working_set, duration_s=duration,
+                               tenants=tenants, families=families, fork_prob=fork_prob,
+                               block_tokens=block_tokens)
+
+
+@bench.command("replay")
+@click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Mooncake-format JSONL trace.")
+@click.option("--workload", type=click.Choice(["agent"]), default=None, help="Built-in generator instead.")
+@click.option("--trace-block-tokens", default=512, show_default=True, help="Tokens per trace hash id.")
+@click.option("--limit", default=None, type=int, help="Replay only the first N requests.")
+@click.option("--policy", default="hbm-only,always-offload,lru,regime,belady", show_default=True)
+@click.option("--hbm-tokens", default="100K", type=SIZE, show_default=True)
+@click.option("--dram-tokens", default="500K", type=SIZE, show_default=True)
+@click.option("--nvme-tokens", default="1.4M", type=SIZE, show_default=True)
+@click.option("--redis-tokens", default="0", type=SIZE, show_default=True)
+@click.option("--regime-mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
+@workload_options
+def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
+           redis_tokens, regime_mode, json_path, plots_dir, seed, working_set, duration, tenants,
+           families, fork_prob, block_tokens, model, gpu_tflops) -> None:
+    """Replay a trace or the agent generator under several policies, side by side."""
+    from kvstore.bench.replay import ReplayConfig, load_requests, render_table, run_replay  # noqa: PLC0415
+
+    try:
+        if (trace is None) == (workload is None):
+            raise click.UsageError("give exactly one of --trace FILE or --workload agent")
+        wl = None if trace else _workload(seed, working_set, duration, tenants, families, fork_prob,
+                                          block_tokens)
+        bt = trace_block_tokens if trace else block_tokens
+        with console.status("reading requests"):
+            reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
+        cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
+                           redis_tokens=redis_tokens, block_tokens=bt, regime_mode=regime_mode,
+                           policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
+        with console.status(f"replaying {len(reqs):,} requests under {len(cfg.policies)} policies"):
+            res = run_replay(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path,
+                             plots_dir=plots_dir, command=_command())
+        console.print(render_table(res))
+        console.print(f"cost model: {res['cost_model']}", style="dim")
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+@bench.command("sweep")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@workload_options
+def sweep(json_path, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
+          gpu_tflops) -> None:
+    """The agent generator across working sets covering all four regimes, one table."""
+    from kvstore.bench.sweep import render_table, run_sweep  # noqa: PLC0415
+
+    try:
+        wl = _workload(seed, working_set, duration, tenants, families, fork_prob, block_tokens)
+        with console.status("sweeping four working-set bands"):
+            res = run_sweep(workload=wl, cost=_cost(model, gpu_tflops), json_out=json_path,
+                            command=_command())
+        console.print(render_table(res))
+        console.print(f"goals: {res['goals']}")
+    except KVStoreError as exc:
+        _fail(exc)

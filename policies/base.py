@@ -1,0 +1,91 @@
+"""Policy contracts: policies decide, they never move bytes.
+
+Two small Protocols the :class:`~kvstore.store.TieredStore` (and the replay
+simulator in :mod:`kvstore.bench.replay`) drive:
+
+* :class:`EvictionPolicy` orders the blocks of *one* tier. It does no capacity
+  accounting (the tier owns bytes; the store asks for ``n`` victims when a put
+  does not fit) and never picks a key in ``protected`` (pinned blocks, blocks
+  in flight). ``evict`` is atomic: ``None`` means it could not find ``n``
+  victims and nothing changed.
+* :class:`PlacementPolicy` decides which tier a block goes to: where a newly
+  computed block is written, where an evicted block is demoted (or dropped),
+  whether a hit is promoted, what to prefetch. Tiers are named by their index
+  in the store's ordered tier list (0 = fastest).
+
+Threading: policies are plain single-threaded objects; the store calls them
+from its event loop only. Time is injected (``now`` arguments or a ``clock``),
+so every decision is reproducible in tests and in trace replay.
+"""
+from __future__ import annotations
+
+from typing import Container, Hashable, Iterable, Protocol, Sequence, runtime_checkable
+
+Key = Hashable  # BlockKey (bytes) in the store; ints in trace replay
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Victim order for one tier. O(1) amortised per call; holds keys only."""
+
+    def insert(self, key: Key) -> None:
+        """Track a newly stored key (idempotent: an existing key is touched)."""
+
+    def touch(self, key: Key) -> None:
+        """Record an access; unknown keys are ignored."""
+
+    def remove(self, key: Key) -> None:
+        """Forget a key (deleted or moved by the store); unknown keys are ignored."""
+
+    def evict(self, n: int, protected: Container[Key]) -> list[Key] | None:
+        """Choose and forget ``n`` victims not in ``protected``, or return
+        ``None`` and change nothing when fewer than ``n`` are eligible."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+@runtime_checkable
+class PlacementPolicy(Protocol):
+    """Where blocks live across the store's ordered tiers (0 = fastest).
+
+    Online: a decision may depend only on calls made so far (the replay test
+    ``tests/bench/test_replay.py::test_online_policies_see_only_the_past``
+    holds every online policy to this).
+    """
+
+    def on_request(self, keys: Sequence[Key], now: float) -> None:
+        """Observe a request's sealed block keys (in prefix order) at time ``now``."""
+
+    def put_targets(self, key: Key) -> list[int]:
+        """Tiers a newly computed block is written to; ``[]`` = do not store."""
+
+    def on_evict(self, key: Key, from_tier: int) -> int | None:
+        """A block leaves ``from_tier``: the slower tier to demote it to, or ``None`` to drop."""
+
+    def on_hit(self, key: Key, tier: int) -> int | None:
+        """A block was read from ``tier``: a faster tier to promote it to, or ``None``."""
+
+    def prefetch_targets(self, keys: Sequence[Key]) -> list[tuple[Key, int]]:
+        """Blocks worth moving up ahead of use, as ``(key, target tier)``."""
+
+    def stats(self) -> dict: ...
+
+
+def tier_index(tiers: Sequence[str], name: str) -> int | None:
+    """Index of tier ``name`` in the store's ordered list, or ``None`` if absent."""
+    try:
+        return list(tiers).index(name)
+    except ValueError:
+        return None
+
+
+def first_present(keys: Iterable[Key], holder: Container[Key]) -> int:
+    """Length of the longest prefix of ``keys`` all in ``holder``."""
+    n = 0
+    for k in keys:
+        if k not in holder:
+            break
+        n += 1
+    return n

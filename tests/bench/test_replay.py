@@ -1,0 +1,134 @@
+import json
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstore.bench.costmodel import make_cost_model
+from kvstore.bench.replay import (ReplayConfig, build_simulator, load_requests, render_table,
+                                  run_replay, storable)
+from kvstore.bench.sweep import render_table as sweep_table, run_sweep
+from kvstore.bench.trace import TraceRequest
+from kvstore.bench.workload import AgentWorkloadConfig
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
+WL = AgentWorkloadConfig(seed=3, working_set_tokens=200_000, duration_s=90, tenants=3)
+CFG = ReplayConfig(hbm_tokens=60_000, dram_tokens=150_000, nvme_tokens=400_000, block_tokens=64,
+                   thresholds=(50_000, 120_000, 250_000), window_s=20)
+
+
+def _decisions(policy, reqs, cfg):
+    sim = build_simulator(policy, cfg, make_cost_model(), record_events=True)
+    return [(tuple(r.hit_tiers), tuple(r.events)) for r in
+            (sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, cfg)) for q in reqs)]
+
+
+@pytest.mark.parametrize("policy", ["hbm-only", "always-offload", "lru", "regime"])
+def test_online_policies_see_only_the_past(policy):
+    reqs = load_requests(workload=WL)
+    t = len(reqs) // 2
+    rng = random.Random(0)
+    fake = [TraceRequest(r.timestamp_ms, r.input_length, r.output_length,
+                         tuple(rng.randrange(10**9) for _ in r.hash_ids), r.extra) for r in reqs[t:]]
+    a = _decisions(policy, reqs, CFG)
+    b = _decisions(policy, reqs[:t] + fake, CFG)
+    assert a[:t] == b[:t]
+    assert a[t:] != b[t:]                       # the test can fail: the future differs
+
+
+def test_belady_reads_the_future():
+    reqs = load_requests(workload=WL)
+    t = len(reqs) // 2
+    fake = [replace(r, hash_ids=tuple(10**9 + i * 1000 + j for j in range(len(r.hash_ids))))
+            for i, r in enumerate(reqs[t:])]
+    cfg = replace(CFG, policies=("belady",))
+    a = run_replay(reqs, cfg)["policies"]["belady"]["hit_rate"]
+    b = run_replay(reqs[:t] + fake, cfg)["policies"]["belady"]
+    assert b["hit_rate"] != a
+
+
+class MirrorPlane:
+    """A data plane that holds what it is told: must end equal to the simulator."""
+
+    def __init__(self, n):
+        self.tiers = [set() for _ in range(n)]
+        self.loads = 0
+
+    def stored(self, key, tier):
+        assert key not in self.tiers[tier]
+        self.tiers[tier].add(key)
+
+    def copied(self, key, src, dst):
+        assert key in self.tiers[src]
+        self.tiers[dst].add(key)
+
+    def dropped(self, key, tier):
+        self.tiers[tier].remove(key)
+
+    def loaded(self, keys, tiers):
+        assert all(k in self.tiers[t] for k, t in zip(keys, tiers))
+        self.loads += len(keys)
+
+
+def test_data_plane_mirrors_decisions_and_changes_nothing():
+    reqs = load_requests(workload=WL)
+    planes = {}
+
+    def factory(name, tiers):
+        planes[name] = MirrorPlane(len(tiers))
+        return planes[name]
+    with_dp = run_replay(reqs, replace(CFG, policies=("lru", "regime")), data_plane_factory=factory)
+    without = run_replay(reqs, replace(CFG, policies=("lru", "regime")))
+    for name in ("lru", "regime"):
+        assert with_dp["policies"][name]["hit_rate"] == without["policies"][name]["hit_rate"]
+        sim = build_simulator(name, CFG, make_cost_model())
+        for q in reqs:
+            sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, CFG))
+        for i, t in enumerate(sim.tiers):
+            assert planes[name].tiers[i] == {k for k in planes[name].tiers[i] if k in t.order}
+            assert len(planes[name].tiers[i]) == len(t.order)
+        assert planes[name].loads > 0
+
+
+def test_report_shape_json_plots_and_table(tmp_path):
+    reqs = load_requests(workload=WL)
+    out = tmp_path / "r.json"
+    res = run_replay(reqs, CFG, json_out=out, plots_dir=tmp_path / "plots")
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"hbm-only", "always-offload", "lru", "regime", "belady"}
+    for p in data["policies"].values():
+        for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "recomputed_token_share",
+                  "hit_rate_by_tier", "task_hit_rate", "bytes_written", "bytes_read",
+                  "middle_phase_trough", "tenants", "regime_timeline"):
+            assert k in p
+        assert "_ttft" not in p and len(p["tenants"]) == 3
+    pol = data["policies"]
+    assert pol["belady"]["hit_rate"] >= max(pol[n]["hit_rate"] for n in pol)
+    assert pol["hbm-only"]["hit_rate_by_tier"].keys() == {"hbm"}
+    assert pol["regime"]["regime_timeline"] and data["cost_model"]["model"]["name"] == "llama3-8b"
+    assert all(Path(p).stat().st_size > 1000 for p in res["plots"])
+    assert render_table(res).row_count == 5
+
+
+def test_sweep_shape_and_goal_flags():
+    wl = replace(AgentWorkloadConfig(), duration_s=60)
+    res = run_sweep(bands=(("<100K", 50_000), ("250K-500K", 375_000)), workload=wl)
+    assert [b["band"] for b in res["bands"]] == ["<100K", "250K-500K"]
+    lo, hi = (b["policies"] for b in res["bands"])
+    assert lo["regime"]["ttft_mean_s"] <= lo["always-offload"]["ttft_mean_s"]
+    assert hi["always-offload"]["ttft_mean_s"] < hi["hbm-only"]["ttft_mean_s"]
+    assert "within_1pct_each_band" in res["goals"] and sweep_table(res).row_count == 2
+
+
+def test_whole_mooncake_trace_replays_quickly():
+    if not MOONCAKE.exists():
+        pytest.fail(f"shared trace missing: {MOONCAKE}")
+    t0 = time.perf_counter()
+    reqs = load_requests(MOONCAKE, block_tokens=512)
+    cfg = ReplayConfig(hbm_tokens=2_000_000, policies=("hbm-only",), store_partial=True)
+    res = run_replay(reqs, cfg)
+    assert time.perf_counter() - t0 < 60
+    # the trace README's LRU figure at 2M tokens
+    assert res["policies"]["hbm-only"]["hit_rate"] == pytest.approx(0.084, abs=0.001)

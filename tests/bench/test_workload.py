@@ -1,0 +1,74 @@
+from dataclasses import replace
+
+import pytest
+
+from kvstore.bench.trace import read_trace, write_trace
+from kvstore.bench.workload import AgentWorkloadConfig, generate
+from kvstore.errors import ConfigError
+
+CFG = AgentWorkloadConfig(seed=7, working_set_tokens=60_000, duration_s=120, fork_prob=0.5)
+
+
+def test_deterministic_sorted_and_replayable(tmp_path):
+    a, b = generate(CFG), generate(CFG)
+    assert a == b and len(a) > 20
+    assert [r.timestamp_ms for r in a] == sorted(r.timestamp_ms for r in a)
+    assert generate(replace(CFG, seed=8)) != a
+    p = tmp_path / "w.jsonl"
+    write_trace(a, p)
+    back = read_trace(p, block_tokens=CFG.block_tokens)
+    assert back == a and back[0].extra["task_id"] == a[0].extra["task_id"]
+
+
+def test_steps_append_and_partial_block_changes():
+    reqs = generate(CFG)
+    task = [r for r in reqs if r.task_id == reqs[0].task_id]
+    assert len(task) >= 2
+    for prev, cur in zip(task, task[1:]):
+        sealed = prev.input_length // CFG.block_tokens
+        assert cur.input_length > prev.input_length
+        assert cur.hash_ids[:sealed] == prev.hash_ids[:sealed]      # sealed prefix reused
+        if prev.input_length % CFG.block_tokens:
+            assert cur.hash_ids[sealed] != prev.hash_ids[sealed]    # partial block recomputed
+
+
+def test_family_prefix_shared_within_tenant_not_across():
+    reqs = generate(replace(CFG, families=1, tenants=2))
+    sys_blocks = (CFG.system_prompt_tokens + CFG.tool_desc_tokens) // CFG.block_tokens
+    by_tenant = {}
+    for r in reqs:
+        by_tenant.setdefault(r.tenant, set()).add(r.hash_ids[:sys_blocks])
+    assert len(by_tenant) == 2
+    assert all(len(v) == 1 for v in by_tenant.values())             # one shared prefix each
+    a, b = (next(iter(v)) for v in by_tenant.values())
+    assert not set(a) & set(b)                                       # salts separate tenants
+
+
+def test_subagents_fork_from_parent_context():
+    reqs = generate(CFG)
+    subs = [r for r in reqs if "parent" in r.extra]
+    assert subs
+    s = subs[0]
+    parent = [r for r in reqs if r.task_id == s.extra["parent"] and r.timestamp_ms <= s.timestamp_ms]
+    shared = max(len(_common(s.hash_ids, p.hash_ids)) for p in parent)
+    assert shared >= (CFG.system_prompt_tokens + CFG.tool_desc_tokens) // CFG.block_tokens
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def test_working_set_knob_scales_concurrency():
+    small = generate(replace(CFG, working_set_tokens=30_000))
+    big = generate(replace(CFG, working_set_tokens=300_000))
+    assert len(big) > 4 * len(small)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        AgentWorkloadConfig(steps=(5, 2))
+    with pytest.raises(ConfigError):
+        AgentWorkloadConfig(fork_prob=2.0)

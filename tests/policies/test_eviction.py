@@ -1,0 +1,89 @@
+import random
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.eviction import LRU, S3FIFO, make_eviction
+
+ALL = [LRU, S3FIFO]
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_protocol_and_basics(cls):
+    p = cls()
+    assert isinstance(p, EvictionPolicy)
+    for k in range(5):
+        p.insert(k)
+    p.insert(3)                      # idempotent
+    assert len(p) == 5 and 3 in p and 9 not in p
+    p.remove(3)
+    p.remove(42)                     # unknown: ignored
+    assert len(p) == 4 and 3 not in p
+
+
+def test_lru_order_follows_touches():
+    p = LRU()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")
+    assert p.evict(2, ()) == ["b", "c"]
+    assert list(p._order) == ["d", "a"]
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_protected_never_victims(cls):
+    rng = random.Random(1)
+    p = cls()
+    for k in range(100):
+        p.insert(k)
+        if rng.random() < 0.3:
+            p.touch(rng.randrange(k + 1))
+    protected = set(range(0, 100, 3))
+    victims = p.evict(60, protected)
+    assert victims is not None and len(victims) == 60 == len(set(victims))
+    assert not protected & set(victims)
+    assert all(v not in p for v in victims) and all(k in p for k in protected)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_evict_is_atomic(cls):
+    p = cls()
+    for k in range(10):
+        p.insert(k)
+    p.touch(4)
+    before = (len(p), sorted(k for k in range(10) if k in p))
+    assert p.evict(5, set(range(6))) is None           # only 4 eligible
+    assert (len(p), sorted(k for k in range(10) if k in p)) == before
+    assert p.evict(0, ()) == []
+    with pytest.raises(ConfigError):
+        p.evict(-1, ())
+
+
+def test_s3fifo_resists_a_scan():
+    """A hot set reused between scans survives under S3-FIFO, not under LRU."""
+    def hits(policy, cap=100):
+        h = 0
+        nxt = 1000
+        for rnd in range(50):
+            for k in range(50):               # hot set
+                if k in policy:
+                    h += 1
+                    policy.touch(k)
+                else:
+                    if len(policy) >= cap:
+                        policy.evict(1, ())
+                    policy.insert(k)
+            for _ in range(80):                # one-off scan: reuse distance 130 > 100
+                if len(policy) >= cap:
+                    policy.evict(1, ())
+                policy.insert(nxt)
+                nxt += 1
+        return h
+    assert hits(S3FIFO()) > 2 * hits(LRU()) + 500
+
+
+def test_make_eviction():
+    assert isinstance(make_eviction("s3fifo"), S3FIFO)
+    with pytest.raises(ConfigError):
+        make_eviction("fifo2")
