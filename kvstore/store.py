@@ -26,7 +26,7 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.leases import Leases
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy
-from kvstore.policies.default import DefaultPlacement
+from kvstore.policies.placement import Cascade
 from kvstore.policies.eviction import LRU
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.stats import StoreStats
@@ -55,7 +55,7 @@ class TieredStore:
             raise KVStoreError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.names = names
-        self.placement = placement or DefaultPlacement(names)
+        self.placement = placement or Cascade(names)  # put high, demote on eviction, promote on hit
         self._order = [eviction() for _ in tiers]
         self.leases = Leases(clock)
         self.clock = clock
