@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import numpy as np
 
@@ -82,10 +82,10 @@ async def replay_into_store(store: TieredStore, requests: Iterable, identity: Ca
     return res
 
 
-def run(store_factory: Callable[[], TieredStore], requests: list, identity: CacheIdentity,
+def run(store_factory: Callable[[], Awaitable[TieredStore]], requests: list, identity: CacheIdentity,
         tick: Callable[[], None] = lambda: None) -> DemoResult:
     async def main() -> DemoResult:
-        store = store_factory()
+        store = await store_factory()
         try:
             return await replay_into_store(store, requests, identity, tick)
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from typing import Awaitable
 from itertools import islice
 
 from rich.console import Console
@@ -59,7 +60,7 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
         path = nvme_path or tmp
         cfg = StoreConfig(dram_bytes=dram_bytes, nvme_path=path, nvme_bytes=nvme_bytes)
 
-        def factory() -> TieredStore:
+        def factory() -> Awaitable[TieredStore]:
             return build_store(cfg)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"replaying {len(requests):,} requests", total=len(requests))

@@ -10,8 +10,9 @@ from kvstore.store import TieredStore
 from kvstore.sync import KVStore
 
 
-def build_tiers(cfg: StoreConfig) -> list:
-    """Tiers fastest first. Must run on the event loop that will own them."""
+async def build_tiers(cfg: StoreConfig) -> list:
+    """Tiers fastest first. Must run on the event loop that will own them
+    (the Redis tier binds its connections to it, and reads its ledger back)."""
     tiers = []
     if cfg.hbm_bytes:
         from kvstore.tiers.hbm import HbmConfig, HbmTier  # noqa: PLC0415
@@ -26,9 +27,9 @@ def build_tiers(cfg: StoreConfig) -> list:
                                          durability=cfg.nvme_durability)))
     if cfg.redis_url:
         from kvstore.tiers.redis import RedisConfig, RedisTier  # noqa: PLC0415
-        tiers.append(RedisTier(RedisConfig(url=cfg.redis_url, capacity_bytes=cfg.redis_bytes,
-                                           prefix=cfg.redis_prefix, cluster=cfg.redis_cluster,
-                                           ttl_s=cfg.redis_ttl_s, compression=cfg.redis_compression)))
+        tiers.append(await RedisTier.open(RedisConfig(
+            url=cfg.redis_url, capacity_bytes=cfg.redis_bytes, prefix=cfg.redis_prefix,
+            cluster=cfg.redis_cluster, ttl_s=cfg.redis_ttl_s, compression=cfg.redis_compression)))
     return tiers
 
 
@@ -39,8 +40,8 @@ def build_placement(cfg: StoreConfig, names: list[str]):
     return None  # the store's default
 
 
-def build_store(cfg: StoreConfig) -> TieredStore:
-    tiers = build_tiers(cfg)
+async def build_store(cfg: StoreConfig) -> TieredStore:
+    tiers = await build_tiers(cfg)
     return TieredStore(tiers, placement=build_placement(cfg, [t.name for t in tiers]),
                        max_prefetch=cfg.max_prefetch)
 

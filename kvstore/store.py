@@ -47,7 +47,7 @@ class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, placement: PlacementPolicy | None = None,
                  eviction: Callable[[], EvictionPolicy] = LRU,
                  clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
-                 max_prefetch_blocks: int = 4096) -> None:
+                 max_prefetch_blocks: int = 4096, flush_on_close: bool = True) -> None:
         if not tiers:
             raise KVStoreError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -68,6 +68,7 @@ class TieredStore:
         self._prefetch_budget = max_prefetch_blocks
         self._prefetch_queued = 0
         self._tasks: set[asyncio.Task] = set()
+        self._flush_on_close = flush_on_close
 
     # -- lookup -----------------------------------------------------------------
     async def alookup(self, keys: Sequence[BlockKey]) -> LookupResult:
@@ -166,7 +167,7 @@ class TieredStore:
         await tier.delete_many([key])
         if moved:
             self.stats.tier(self.names[target]).demotions_in += 1
-        elif not await self._held_anywhere(key):
+        elif not await self._held_in(key, range(len(self.tiers))):
             self._forget(key, MissReason.EVICTED)
             self._ns_of.pop(key, None)
 
@@ -180,9 +181,9 @@ class TieredStore:
             return False
         return await self._put_one(dst, spec, key, buf) in (PutOutcome.STORED, PutOutcome.EXISTS)
 
-    async def _held_anywhere(self, key: BlockKey) -> bool:
-        for tier in self.tiers:
-            if (await tier.contains_many([key]))[0]:
+    async def _held_in(self, key: BlockKey, tier_indexes: Sequence[int]) -> bool:
+        for t in tier_indexes:
+            if (await self.tiers[t].contains_many([key]))[0]:
                 return True
         return False
 
@@ -339,9 +340,27 @@ class TieredStore:
         snap["placement"] = self.placement.stats()
         return snap
 
+    async def aflush(self) -> int:
+        """Write blocks held only in volatile tiers down to the first persistent
+        tier below them, so a graceful shutdown loses nothing. Returns blocks written."""
+        written = 0
+        for ti, tier in enumerate(self.tiers):
+            below = [t for t in range(ti + 1, len(self.tiers)) if self.tiers[t].persistent]
+            if tier.persistent or not below:
+                continue
+            for key in tier.iter_keys():
+                if await self._held_in(key, below):
+                    continue
+                with self.leases.transfer([key]):
+                    written += await self._copy(key, ti, below[0])
+        return written
+
     async def aclose(self) -> None:
+        """Cancel prefetches, flush volatile tiers (``flush_on_close``), close tiers."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._flush_on_close:
+            await self.aflush()
         for tier in self.tiers:
             await tier.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 
 import numpy as np
 
@@ -24,15 +24,17 @@ T = TypeVar("T")
 
 
 class KVStore:
-    def __init__(self, build: Callable[[], TieredStore]) -> None:
-        """``build`` runs on the store's loop (tiers may bind connections to it)."""
+    def __init__(self, build: Callable[[], TieredStore | Awaitable[TieredStore]]) -> None:
+        """``build`` (a function or a coroutine function) runs on the store's
+        loop: tiers may bind connections to it."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-loop", daemon=True)
         self._thread.start()
         self._closed = False
 
         async def _build() -> TieredStore:
-            return build()
+            store = build()
+            return await store if asyncio.iscoroutine(store) else store
 
         self.store: TieredStore = self._call(_build())
 

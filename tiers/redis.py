@@ -1,0 +1,630 @@
+"""Redis / Redis Cluster tier: one atomic ``SET key record NX [PX ttl]`` per block.
+
+The value is the whole record (96-byte header + payload, checksum included),
+so a reader sees all of a block or none of it, and a value damaged inside
+Redis is caught by the checksum (``GetOutcome.CORRUPT``, counted, deleted).
+Keys are ``storage_name(prefix, key)``: the prefix and the key's hex.
+
+Client. redis-py asyncio (hiredis parser) owns URL parsing (``redis://``,
+``rediss://``, AUTH user/password, db), the cluster slot map
+(``redis.asyncio.cluster.RedisCluster``), SCAN and the rare MOVED/ASK redo.
+The data path (SET/GET/EXISTS/UNLINK/GETRANGE, pipelined) speaks RESP itself
+over :class:`~kvstore.tiers.redis_wire.RawConnection` (``loop.sock_*`` on a
+plain socket; redis-py's streams for ``rediss://``), because redis-py copies
+bulk values several times (measured, 2 MiB blocks, same run):
+
+* SET: header, the caller's payload view and the trailer go out as three
+  ``sock_sendall`` chunks, never joined. redis-py's hiredis packer copies
+  the value into the packed command and asyncio's 3.11 ``writelines`` joins
+  the chunks: 0.3-1.6 GB/s vs 2.2-4.5 framed. The caller's buffer is not
+  referenced after the call returns.
+* GET: the 96-byte header is read and checked (key, layout, length) first,
+  then the payload is received straight into ``dst`` (``sock_recv_into``, no
+  intermediate copy): 1.0 GB/s vs 0.67 through asyncio streams (which copy
+  each byte twice more) and 0.5-0.7 through redis-py asyncio's GET.
+
+Capacity. Redis is shared and may evict by itself (``maxmemory-policy``), so
+``used_bytes`` from INFO would be neither ours nor exact. The tier keeps its
+own ledger of the records it stored (or found on ``rescan``) with their TTL
+expiry, answers ``NO_SPACE`` past ``capacity_bytes``, and drops a ledger
+entry when Redis answers a miss (expired, evicted, flushed). Run the server
+with ``maxmemory`` above the sum of its tiers' capacities and
+``maxmemory-policy noeviction``; if Redis refuses a SET for memory (OOM) the
+put answers ``NO_SPACE``. Rejected: a used-bytes counter kept inside Redis
+(a Lua script per SET copies the value again, and in a cluster the counter
+key lives on one slot, so the script would be cross-slot).
+
+Availability. Every network failure becomes ``UNAVAILABLE`` (get, put),
+``False`` (contains, delete) or ``None`` (stat), never an exception. A
+failed call is retried ``retries`` times with exponential backoff; then a
+breaker fails calls fast (no network) for a backoff that doubles up to
+``down_backoff_cap_s`` (<= 1 s), after which the next call reconnects: so the
+tier is back within ~1 s of the server's return.
+
+Threading: all methods are coroutines for one event loop; not thread-safe.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import redis.asyncio as aredis
+from kvstore.tiers import compress
+from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.redis_wire import (
+    DOWN,
+    NET_ERRORS,
+    REDIRECT,
+    Breaker,
+    ErrorReply,
+    FramingError,
+    Ledger,
+    RawConnection,
+    classify_error,
+    command,
+    get_frame,
+    put_reply,
+    read_record,
+    read_small,
+    set_frames,
+)
+from redis.asyncio.cluster import RedisCluster
+
+from kvstore.errors import ConfigError, CorruptRecord, LayoutMismatch
+from kvstore.keys import BlockKey, storage_name
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import (
+    FLAG_CHECKSUM,
+    HEADER_BYTES,
+    BlockSpec,
+    RecordHeader,
+    make_header,
+    unpack_header,
+)
+
+log = logging.getLogger(__name__)
+SCAN_BATCH = 512
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """Configuration of one Redis (or Redis Cluster) tier. Validated on construction.
+
+    ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS).
+    ``password`` / ``username`` override the URL's (kept out of ``repr``).
+    ``cluster``: talk to a Redis Cluster through any one seed node in ``url``.
+    ``parallel``: connections one batch is spread over; ``pipeline_blocks``:
+    blocks per pipelined round trip on one connection.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    capacity_bytes: int = 1 << 30
+    prefix: str = "kvs:"
+    cluster: bool = False
+    ttl_s: float | None = None
+    compression: str = "none"
+    max_connections: int = 32
+    parallel: int = 2
+    pipeline_blocks: int = 16
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 1.0
+    retries: int = 1
+    backoff_base_s: float = 0.01
+    down_backoff_cap_s: float = 0.5
+    rescan_on_open: bool = True
+    raw_sockets: bool = True  # False: data path over redis-py's streams (always for rediss://)
+    name: str = "redis"
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.url) if isinstance(self.url, str) else None
+        if parsed is None or parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+            raise ConfigError(f"url must be redis:// or rediss://host:port, got {self.url!r}")
+        if self.cluster and parsed.path not in ("", "/", "/0"):
+            raise ConfigError("Redis Cluster has only database 0")
+        if not isinstance(self.prefix, str) or not self.prefix or any(
+                c.isspace() or c in "{}*?[]" for c in self.prefix):
+            # braces would make a hash tag (every block on one cluster slot);
+            # glob characters would break the SCAN pattern of drop_namespace.
+            raise ConfigError(f"prefix must be non-empty, without spaces, braces or glob "
+                              f"characters, got {self.prefix!r}")
+        for name in ("capacity_bytes", "max_connections", "parallel", "pipeline_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
+            raise ConfigError(f"retries must be an int in [0, 10], got {self.retries!r}")
+        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_base_s",
+                     "down_backoff_cap_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if self.down_backoff_cap_s > 1.0:
+            raise ConfigError("down_backoff_cap_s must be <= 1 s (reconnect promptly)")
+        if self.ttl_s is not None and (not isinstance(self.ttl_s, (int, float))
+                                       or isinstance(self.ttl_s, bool) or self.ttl_s < 0.001):
+            raise ConfigError(f"ttl_s must be None or >= 0.001, got {self.ttl_s!r}")
+        compress.check_codec(self.compression)
+        if self.parallel > self.max_connections:
+            raise ConfigError("parallel must not exceed max_connections")
+
+    @property
+    def ttl_ms(self) -> int | None:
+        return None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+
+
+@dataclass(slots=True)
+class RedisTierStats:
+    """Counters since the tier was made (mutable; read them, don't write)."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    unavailable: int = 0
+    stored: int = 0
+    exists: int = 0
+    no_space: int = 0
+    redirects: int = 0
+    reconnects: int = 0
+
+
+class RedisTier(TierOps):
+    """The L3 tier over one Redis server or a Redis Cluster. See the module docstring.
+
+    Make it with ``await RedisTier.open(config)`` (adopts records already in
+    Redis under the prefix) or ``RedisTier(config)`` (starts with an empty
+    ledger). No method raises for a server that is down or comes back;
+    bad input raises the usual typed errors before anything is sent.
+    """
+
+    persistent = True      # records live in the server, not in this process
+    self_evicting = False  # the ledger answers NO_SPACE; see the module docstring
+
+    def __init__(self, config: RedisConfig, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], object] = asyncio.sleep) -> None:
+        if not isinstance(config, RedisConfig):
+            raise ConfigError("config must be a RedisConfig")
+        self.config = config
+        self.name = config.name
+        self.stats = RedisTierStats()
+        self._clock, self._sleep = clock, sleep
+        self._ledger = Ledger(clock)
+        self._breakers: dict[str, Breaker] = {}
+        self._client: aredis.Redis | RedisCluster | None = None
+        self._ready_ok = False
+        self._raw_sockets = config.raw_sockets and urlparse(config.url).scheme == "redis"
+        self._idle: dict[str, list[RawConnection]] = {}  # node name -> idle raw connections
+
+    @classmethod
+    async def open(cls, config: RedisConfig, **kwargs) -> RedisTier:
+        tier = cls(config, **kwargs)
+        if config.rescan_on_open:
+            await tier.rescan()
+        return tier
+
+    # -- accounting ------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.config.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        self._ledger.purge()
+        return self._ledger.used
+
+    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
+        return self.used_bytes + count * (HEADER_BYTES + spec.nbytes) <= self.capacity_bytes
+
+    def iter_keys(self) -> Iterator[BlockKey]:
+        self._ledger.purge()
+        return iter(list(self._ledger.sizes))
+
+    def _name(self, key: BlockKey) -> bytes:
+        return storage_name(self.config.prefix, key).encode()
+
+    # -- connections -------------------------------------------------------
+    def _make_client(self) -> aredis.Redis | RedisCluster:
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        c = self.config
+        kwargs: dict = {"socket_timeout": c.socket_timeout_s,
+                        "socket_connect_timeout": c.connect_timeout_s, "protocol": 2,
+                        "max_connections": c.max_connections,
+                        "retry": Retry(NoBackoff(), 0)}  # the tier retries, with backoff
+        if c.username is not None:
+            kwargs["username"] = c.username
+        if c.password is not None:
+            kwargs["password"] = c.password
+        if c.cluster:
+            return RedisCluster.from_url(c.url, **kwargs)
+        return aredis.Redis.from_url(c.url, **kwargs)
+
+    def _breaker(self, node: object) -> Breaker:
+        key = getattr(node, "name", "server")
+        b = self._breakers.get(key)
+        if b is None:
+            b = self._breakers[key] = Breaker(self._clock, self.config.backoff_base_s,
+                                               self.config.down_backoff_cap_s)
+        return b
+
+    async def _ready(self) -> aredis.Redis | RedisCluster | None:
+        """The client, its cluster slot map loaded; None while unreachable."""
+        if self._client is None:
+            self._client = self._make_client()
+        if self._ready_ok or not self.config.cluster:
+            return self._client
+        breaker = self._breaker("cluster-init")
+        if not breaker.allow():
+            return None
+        try:
+            await self._client.initialize()
+        except NET_ERRORS as exc:
+            breaker.failure()
+            log.warning("redis tier: cluster unreachable: %s", exc)
+            return None
+        breaker.success()
+        self._ready_ok = True
+        return self._client
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, node: object):
+        """Yield ``(reader, writer)`` for raw frames to ``node`` (None: the single server).
+
+        ``redis://``: a pooled :class:`RawConnection` (no stream copies), made
+        with the host, port, db and credentials redis-py parsed from the URL.
+        ``rediss://``: a pooled redis-py connection's streams (redis-py does
+        TLS). A connection that saw an error is closed: it may hold half a reply.
+        """
+        if self._raw_sockets:
+            conn = await self._raw_acquire(node)
+            try:
+                yield conn, conn
+            except BaseException:
+                conn.close()
+                for stale in self._idle.pop(getattr(node, "name", ""), []):
+                    stale.close()  # the server likely dropped its siblings too
+                raise
+            finally:
+                if not conn.broken:
+                    self._idle.setdefault(getattr(node, "name", ""), []).append(conn)
+            return
+        if node is None:
+            pool = self._client.connection_pool
+            conn = await pool.get_connection()
+        else:
+            conn = node.acquire_connection()
+        try:
+            if node is not None:
+                await conn.connect()
+            # asyncio pauses a socket once its stream buffers 2 x limit (64 KiB
+            # from redis-py): an epoll change per 128 KiB of a MiB reply.
+            conn._reader._limit = max(conn._reader._limit, 1 << 21)
+            yield conn._reader, conn._writer
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            if node is None:
+                await self._client.connection_pool.release(conn)
+            else:
+                node.release(conn)
+
+    async def _raw_acquire(self, node: object) -> RawConnection:
+        idle = self._idle.get(getattr(node, "name", ""))
+        if idle:
+            return idle.pop()
+        kw = (node.connection_kwargs if node is not None
+              else self._client.connection_pool.connection_kwargs)
+        return await RawConnection.open(
+            kw["host"], int(kw["port"]), timeout=self.config.connect_timeout_s,
+            db=int(kw.get("db") or 0), username=kw.get("username"),
+            password=kw.get("password"))
+
+    async def _attempt(self, node: object, work: Callable) -> object:
+        """Run ``work(reader, writer)`` on a connection to ``node``, with retries.
+
+        Returns its result, or ``DOWN`` if the node stays unreachable (the
+        breaker then fails further calls fast until its backoff passes).
+        """
+        breaker = self._breaker(node)
+        if not breaker.allow():
+            return DOWN
+        c = self.config
+        for attempt in range(c.retries + 1):
+            try:
+                async with asyncio.timeout(c.socket_timeout_s):
+                    async with self._connection(node) as (reader, writer):
+                        result = await work(reader, writer)
+            except (*NET_ERRORS, FramingError, ValueError) as exc:
+                error = exc
+                if attempt < c.retries:
+                    await self._sleep(c.backoff_base_s * 2 ** attempt)
+                continue
+            if breaker.success():
+                self.stats.reconnects += 1
+            return result
+        breaker.failure()
+        log.warning("redis tier %s: %s unreachable: %r", self.name,
+                    getattr(node, "name", c.url.split("@")[-1]), error)
+        return DOWN
+
+    async def _dispatch(self, names: Sequence[bytes], work: Callable,
+                        redo: Callable) -> list[object]:
+        """Run ``work(reader, writer, indices)`` per node and pipelined chunk.
+
+        ``redo(i)`` handles an item the cluster redirected (through redis-py,
+        which follows MOVED/ASK and refreshes its slot map). Items of an
+        unreachable node come back as ``DOWN``.
+        """
+        results: list[object] = [DOWN] * len(names)
+        client = await self._ready()
+        if client is None or not names:
+            return results
+        groups: dict[str, tuple[object, list[int]]] = {}
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name) if self.config.cluster else None
+            groups.setdefault(getattr(node, "name", ""), (node, []))[1].append(i)
+        step = self.config.pipeline_blocks
+        gate = asyncio.Semaphore(self.config.parallel)
+
+        async def run(node: object, idx: list[int]) -> None:
+            async with gate:
+                got = await self._attempt(node, lambda r, w: work(r, w, idx))
+            if got is DOWN:
+                return
+            for i, res in zip(idx, got):
+                if res is REDIRECT:
+                    self.stats.redirects += 1
+                    try:
+                        res = await redo(i)
+                    except NET_ERRORS:
+                        res = DOWN
+                results[i] = res
+
+        await asyncio.gather(*(run(node, idx[j:j + step])
+                               for node, idx in groups.values()
+                               for j in range(0, len(idx), step)))
+        return results
+
+    async def _small(self, names: Sequence[bytes], *args: bytes) -> list[object]:
+        """``COMMAND name *args`` per name, pipelined; small replies only."""
+        frames = [command(args[0], n, *args[1:]) for n in names]
+
+        async def work(reader, writer, idx):
+            writer.write(b"".join(frames[i] for i in idx))
+            await writer.drain()
+            out = []
+            for _ in idx:
+                reply = await read_small(reader)
+                out.append(classify_error(reply) if isinstance(reply, ErrorReply) else reply)
+            return out
+
+        async def redo(i):
+            return await self._client.execute_command(args[0].decode(), names[i], *args[1:])
+
+        return await self._dispatch(names, work, redo)
+
+    # -- data path -------------------------------------------------------------
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                       payloads: Sequence[object]) -> list[PutOutcome]:
+        """Store each block with one ``SET NX``; ``EXISTS`` for keys already held.
+
+        Keys in the ledger answer ``EXISTS`` without a round trip (the ledger
+        is corrected when a read misses). The payloads are not referenced
+        after the call returns.
+        """
+        keys, views = check_batch(spec, keys, payloads, writable=False)
+        out: list[PutOutcome | None] = [None] * len(keys)
+        sends, reserved, seen = [], 0, set()
+        for i, (key, view) in enumerate(zip(keys, views)):
+            if key in seen or self._ledger.holds(key):
+                out[i] = PutOutcome.EXISTS
+                continue
+            stored, cflags = compress.encode(view, self.config.compression)
+            size = HEADER_BYTES + len(stored)
+            if self._ledger.used + reserved + size > self.capacity_bytes:
+                out[i] = PutOutcome.NO_SPACE
+                continue
+            reserved += size
+            seen.add(key)
+            sends.append((i, self._name(key), key, stored, cflags, size))
+        replies = await self._send_records(spec, sends)
+        for (i, *_, size), reply in zip(sends, replies):
+            out[i] = PutOutcome.UNAVAILABLE if reply is DOWN else reply
+            if out[i] in (PutOutcome.STORED, PutOutcome.EXISTS):
+                self._ledger.add(keys[i], size, self.config.ttl_s)
+        for o in out:
+            self._count_put(o)
+        return out  # type: ignore[return-value]
+
+    def _count_put(self, outcome: PutOutcome) -> None:
+        st = self.stats
+        if outcome is PutOutcome.STORED:
+            st.stored += 1
+        elif outcome is PutOutcome.EXISTS:
+            st.exists += 1
+        elif outcome is PutOutcome.NO_SPACE:
+            st.no_space += 1
+        else:
+            st.unavailable += 1
+
+    async def _send_records(self, spec: BlockSpec, sends: list[tuple]) -> list[object]:
+        ttl_ms = self.config.ttl_ms
+
+        def header(j: int) -> bytes:
+            _, _, key, stored, cflags, _ = sends[j]
+            return make_header(key, spec, stored, flags=FLAG_CHECKSUM | cflags,
+                               raw_len=spec.nbytes).pack()
+
+        async def work(reader, writer, idx):
+            for j in idx:  # three writes: the payload is never joined or copied
+                front, tail = set_frames(sends[j][1], header(j), len(sends[j][3]), ttl_ms)
+                writer.write(front)
+                writer.write(sends[j][3])
+                writer.write(tail)
+                await writer.drain()
+            return [put_reply(await reader.readuntil(b"\r\n")) for _ in idx]
+
+        async def redo(j):
+            record = header(j) + bytes(sends[j][3])
+            done = await self._client.set(sends[j][1], record, nx=True, px=ttl_ms)
+            return PutOutcome.STORED if done else PutOutcome.EXISTS
+
+        return await self._dispatch([s[1] for s in sends], work, redo)
+
+    async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                            dsts: Sequence[object]) -> list[GetOutcome]:
+        """Read blocks into ``dsts``; one pipelined GET per block.
+
+        A destination is written only for its own key. Its contents are
+        unspecified unless the outcome is HIT (a CORRUPT one is zeroed).
+        ``LayoutMismatch`` is raised after the batch is drained; the
+        mismatched key's destination is never written, other keys' may hold
+        their (valid) blocks.
+        """
+        keys, views = check_batch(spec, keys, dsts, writable=True)
+        names = [self._name(k) for k in keys]
+
+        async def work(reader, writer, idx):
+            writer.write(b"".join(get_frame(names[i]) for i in idx))
+            await writer.drain()
+            return [await read_record(reader, spec, keys[i], views[i]) for i in idx]
+
+        async def redo(i):
+            raw = await self._client.get(names[i])
+            reader = asyncio.StreamReader()
+            reader.feed_data(b"$-1\r\n" if raw is None else
+                             b"$%d\r\n%s\r\n" % (len(raw), raw))
+            reader.feed_eof()
+            return await read_record(reader, spec, keys[i], views[i])
+
+        results = await self._dispatch(names, work, redo)
+        mismatch = next((r for r in results if isinstance(r, LayoutMismatch)), None)
+        if mismatch is not None:
+            raise mismatch
+        out = [GetOutcome.UNAVAILABLE if r is DOWN else r for r in results]
+        corrupt = [k for k, o in zip(keys, out) if o is GetOutcome.CORRUPT]
+        for key, o in zip(keys, out):
+            self._count_get(key, o)
+        if corrupt:  # drop them so the next put can store a good copy
+            await self.delete_many(corrupt)
+        return out  # type: ignore[return-value]
+
+    def _count_get(self, key: BlockKey, outcome: GetOutcome) -> None:
+        st = self.stats
+        if outcome is GetOutcome.HIT:
+            st.hits += 1
+        elif outcome is GetOutcome.MISS:
+            st.misses += 1
+            self._ledger.remove(key)  # expired, evicted or flushed behind our back
+        elif outcome is GetOutcome.CORRUPT:
+            st.corrupt += 1
+            log.warning("redis tier %s: corrupt record %s dropped", self.name, key.hex()[:16])
+        else:
+            st.unavailable += 1
+
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """EXISTS per key; False where the server is unreachable."""
+        names = [self._name(k) for k in keys]
+        return [r == 1 for r in await self._small(names, b"EXISTS")]
+
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """UNLINK per key (freed by the server in the background); False if unreachable."""
+        names = [self._name(k) for k in keys]
+        out = []
+        for key, r in zip(keys, await self._small(names, b"UNLINK")):
+            if r is not DOWN:
+                self._ledger.remove(key)
+            out.append(r == 1)
+        return out
+
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
+        """Headers via ``GETRANGE name 0 95``: no payload moves. None if absent or bad."""
+        return await self._stat_names([self._name(k) for k in keys])
+
+    async def _stat_names(self, names: Sequence[bytes]) -> list[RecordHeader | None]:
+        out: list[RecordHeader | None] = []
+        for raw in await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1)):
+            try:
+                out.append(unpack_header(raw) if isinstance(raw, bytes) and raw else None)
+            except CorruptRecord:
+                out.append(None)
+        return out
+
+    # -- whole-tier operations ---------------------------------------------
+    async def _scan_names(self):
+        """Every name under the prefix, in batches (SCAN; all masters of a cluster)."""
+        client = await self._ready()
+        if client is None:
+            return
+        batch: list[bytes] = []
+        try:
+            async for name in client.scan_iter(match=self.config.prefix + "*", count=1000):
+                batch.append(name)
+                if len(batch) >= SCAN_BATCH:
+                    yield batch
+                    batch = []
+        except NET_ERRORS as exc:
+            log.warning("redis tier %s: scan stopped: %r", self.name, exc)
+        if batch:
+            yield batch
+
+    def _owned(self, name: bytes, head: RecordHeader | None) -> bool:
+        return head is not None and self._name(head.key) == name
+
+    async def rescan(self) -> int:
+        """Adopt records already under the prefix into the ledger (while they fit).
+
+        Their remaining TTL is not read: an adopted record is counted for the
+        configured ``ttl_s`` from now, an upper bound. Returns records adopted.
+        """
+        adopted = 0
+        async for names in self._scan_names():
+            for name, head in zip(names, await self._stat_names(names)):
+                if not self._owned(name, head) or self._ledger.holds(head.key):
+                    continue
+                if self._ledger.used + head.record_bytes > self.capacity_bytes:
+                    return adopted
+                self._ledger.add(head.key, head.record_bytes, self.config.ttl_s)
+                adopted += 1
+        return adopted
+
+    async def drop_namespace(self, namespace: bytes) -> int:
+        """Delete every record of ``namespace`` under the prefix; return how many.
+
+        SCAN the prefix, read each header with GETRANGE (96 bytes, no payload)
+        and UNLINK the matches: O(records under the prefix), but it needs no
+        side index that could drift from the data. Records this call cannot
+        reach (server down) are left and logged.
+        """
+        doomed: list[BlockKey] = []
+        async for names in self._scan_names():
+            for name, head in zip(names, await self._stat_names(names)):
+                if self._owned(name, head) and head.namespace == namespace:
+                    doomed.append(head.key)
+        return sum(await self.delete_many(doomed)) if doomed else 0
+
+    async def ping(self) -> bool:
+        """True if every node answers (breakers are not consulted)."""
+        try:
+            client = await self._ready()
+            return client is not None and bool(await client.ping())
+        except NET_ERRORS:
+            return False
+
+    async def close(self) -> None:
+        """Close the connections. Records stay in Redis (the tier is persistent)."""
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+        if self._client is not None:
+            with contextlib.suppress(*NET_ERRORS):
+                await self._client.aclose()
+        self._client, self._ready_ok = None, False
