@@ -22,9 +22,9 @@ async def build_tiers(cfg: StoreConfig) -> list:
         tiers.append(DramTier(DramConfig(capacity_bytes=cfg.dram_bytes, pinned=cfg.dram_pinned)))
     if cfg.nvme_bytes:
         from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
-        tiers.append(NvmeTier(NvmeConfig(path=cfg.nvme_path, capacity_bytes=cfg.nvme_bytes,
-                                         segment_bytes=cfg.nvme_segment_bytes,
-                                         durability=cfg.nvme_durability)))
+        tiers.append(await NvmeTier.open(NvmeConfig(  # the start-up scan runs off the loop
+            path=cfg.nvme_path, capacity_bytes=cfg.nvme_bytes, segment_bytes=cfg.nvme_segment_bytes,
+            durability=cfg.nvme_durability)))
     if cfg.redis_url:
         from kvstore.tiers.redis import RedisConfig, RedisTier  # noqa: PLC0415
         tiers.append(await RedisTier.open(RedisConfig(

@@ -1,0 +1,418 @@
+"""NVMe tier: the contract suite, plus restart, corruption, eviction and compaction
+on real files in a temp dir."""
+from __future__ import annotations
+
+from kvstore.record import HEADER_BYTES
+from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+
+from .contract import BLOCK, TierContract
+
+REC = BLOCK + HEADER_BYTES
+
+
+class TestNvmeContract(TierContract):
+    self_evicting = True
+
+    async def make_tier(self, tmp_path, capacity_bytes):
+        return NvmeTier(NvmeConfig(tmp_path / "nvme", capacity_bytes, segment_bytes=2 * REC))
+
+
+class TestNvmeContractFsync(TierContract):
+    self_evicting = True
+
+    async def make_tier(self, tmp_path, capacity_bytes):
+        return NvmeTier(NvmeConfig(tmp_path / "nvme", capacity_bytes, segment_bytes=3 * REC,
+                                   durability="fsync", io_threads=2))
+
+
+# -- NVMe-specific behaviour ---------------------------------------------------------
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
+import errno  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kvstore.errors import ConfigError, TierUnavailable  # noqa: E402
+from kvstore.outcomes import GetOutcome, PutOutcome  # noqa: E402
+
+from .contract import SPEC, key, payload  # noqa: E402
+
+
+def cfg(path: Path, blocks: int = 64, seg_blocks: int = 4, **kw) -> NvmeConfig:
+    kw.setdefault("background_compaction", False)
+    return NvmeConfig(path, blocks * REC, segment_bytes=seg_blocks * REC, **kw)
+
+
+async def put(tier: NvmeTier, idx) -> list[PutOutcome]:
+    idx = list(idx)
+    return await tier.put_many(SPEC, [key(i) for i in idx], [payload(i) for i in idx])
+
+
+async def read(tier: NvmeTier, i: int) -> GetOutcome:
+    """Get block i; a HIT must be byte-exact."""
+    dst = np.zeros(BLOCK, np.uint8)
+    out = await tier.get_into(SPEC, key(i), dst)
+    if out is GetOutcome.HIT:
+        assert np.array_equal(dst, payload(i)), f"block {i} came back with other bytes"
+    return out
+
+
+async def outcomes(tier: NvmeTier, idx) -> dict[int, GetOutcome]:
+    return {i: await read(tier, i) for i in idx}
+
+
+def seg_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.seg"))
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in seg_files(path))
+
+
+def locate(path: Path, data: bytes) -> tuple[Path, int]:
+    """The segment file and offset where ``data`` is stored."""
+    for p in seg_files(path):
+        off = p.read_bytes().find(data)
+        if off >= 0:
+            return p, off
+    raise AssertionError("bytes not found on disk")
+
+
+def flip(p: Path, off: int) -> None:
+    with open(p, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(capacity_bytes=100), dict(capacity_bytes=True), dict(segment_bytes=10),
+    dict(durability="sometimes"), dict(io_threads=0), dict(compact_ratio=1.0),
+    dict(compact_ratio="half"), dict(path=""), dict(path=None), dict(evicted_backlog=-1),
+    dict(background_compaction=1), dict(name=""),
+])
+def test_config_is_validated(tmp_path, bad):
+    args = dict(path=tmp_path, capacity_bytes=1 << 20) | bad
+    with pytest.raises(ConfigError):
+        NvmeConfig(**args)
+
+
+def test_config_is_frozen(tmp_path):
+    c = NvmeConfig(tmp_path, 1 << 20)
+    assert c.path == str(tmp_path) and c.segment_bytes == 64 << 20 and c.durability == "none"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.capacity_bytes = 5
+
+
+def test_a_directory_is_held_by_one_tier(tmp_path):
+    async def main():
+        fds = len(os.listdir("/proc/self/fd"))
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(9))
+        with pytest.raises(TierUnavailable):
+            NvmeTier(cfg(tmp_path))
+        await tier.close()
+        await (await NvmeTier.open(cfg(tmp_path))).close()  # released by close
+        assert len(os.listdir("/proc/self/fd")) == fds      # every fd closed
+        with pytest.raises(TierUnavailable):
+            await tier.put(SPEC, key(1), payload(1))
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("durability", ["none", "fsync"])
+def test_restart_finds_contents(tmp_path, durability):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, durability=durability))
+        assert await put(tier, range(10)) == [PutOutcome.STORED] * 10
+        heads = await tier.stat_many([key(i) for i in range(10)])
+        used = tier.used_bytes
+        await tier.close()
+        assert len(seg_files(tmp_path)) == 3  # 4 records per segment
+        tier = await NvmeTier.open(cfg(tmp_path, durability=durability))
+        assert tier.persistent and tier.used_bytes == used == disk_bytes(tmp_path)
+        assert sorted(tier.iter_keys()) == sorted(key(i) for i in range(10))
+        assert await tier.stat_many([key(i) for i in range(10)]) == heads
+        assert set((await outcomes(tier, range(10))).values()) == {GetOutcome.HIT}
+        assert await put(tier, [3, 10]) == [PutOutcome.EXISTS, PutOutcome.STORED]
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))
+        assert await read(tier, 10) is GetOutcome.HIT
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_deleted_stays_deleted_after_restart(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(12))
+        assert await tier.delete_many([key(1), key(5), key(6), key(11)]) == [True] * 4
+        assert await tier.delete(key(5)) is False
+        await put(tier, [6])  # deleted, then put again: the newest record wins
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))
+        got = await outcomes(tier, range(12))
+        assert {i for i, o in got.items() if o is GetOutcome.MISS} == {1, 5, 11}
+        assert {i for i, o in got.items() if o is GetOutcome.HIT} == set(range(12)) - {1, 5, 11}
+        assert await tier.drop_namespace(SPEC.namespace) == 9
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))
+        assert list(tier.iter_keys()) == []
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_deleting_everything_frees_the_disk(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(10))
+        await tier.delete_many([key(i) for i in range(10)])
+        assert tier.used_bytes == 0 and seg_files(tmp_path) == []
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))
+        assert list(tier.iter_keys()) == []
+        await tier.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_flipped_payload_byte_is_corrupt_and_the_rest_readable(tmp_path, reopen):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(8))
+        p, off = locate(tmp_path, payload(5).tobytes()[:256])
+        if reopen:
+            await tier.close()
+        flip(p, off + 1000)
+        if reopen:
+            tier = NvmeTier(cfg(tmp_path))
+        got = await outcomes(tier, range(8))
+        assert got[5] is GetOutcome.CORRUPT
+        assert all(o is GetOutcome.HIT for i, o in got.items() if i != 5)
+        assert await read(tier, 5) is GetOutcome.MISS and not await tier.contains(key(5))
+        assert tier.counters.corrupt == 1
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))  # the drop was persisted
+        assert await read(tier, 5) is GetOutcome.MISS
+        assert await put(tier, [5]) == [PutOutcome.STORED]
+        assert await read(tier, 5) is GetOutcome.HIT
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_corrupt_header_in_the_middle_is_skipped(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        await put(tier, range(6))
+        await tier.close()
+        p, off = locate(tmp_path, key(2))  # the key sits inside record 2's header
+        flip(p, off + 3)
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        assert tier.counters.skipped_bytes == REC and tier.counters.torn_bytes == 0
+        got = await outcomes(tier, range(6))
+        assert got == {i: GetOutcome.MISS if i == 2 else GetOutcome.HIT for i in range(6)}
+        await tier.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cut", [1, HEADER_BYTES // 2, HEADER_BYTES + 10, REC - 1, -77])
+def test_torn_tail_is_truncated_on_open(tmp_path, cut):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        await put(tier, range(5))
+        await tier.close()
+        (p,) = seg_files(tmp_path)
+        size = p.stat().st_size
+        if cut > 0:
+            os.truncate(p, size - cut)            # the last record was cut short
+        else:
+            with open(p, "ab") as f:              # garbage after the last record
+                f.write(os.urandom(-cut))
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        lost = {4} if cut > 0 else set()
+        keep = size - REC if cut > 0 else size
+        assert p.stat().st_size == keep == tier.used_bytes
+        assert tier.counters.torn_bytes == (REC - cut if cut > 0 else -cut)
+        got = await outcomes(tier, range(5))
+        assert got == {i: GetOutcome.MISS if i in lost else GetOutcome.HIT for i in range(5)}
+        await put(tier, [4, 5])                   # appends land after the cut
+        assert (await tier.check()).ok
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        assert set((await outcomes(tier, range(6))).values()) == {GetOutcome.HIT}
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_eviction_bounds_disk_use_and_reports_keys(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=12, seg_blocks=2))
+        evicted: list[bytes] = []
+        for i in range(60):
+            assert await put(tier, [i]) == [PutOutcome.STORED]
+            assert tier.used_bytes <= tier.capacity_bytes
+            assert disk_bytes(tmp_path) <= tier.capacity_bytes
+            evicted += tier.drain_evicted()
+        held = set(tier.iter_keys())
+        assert tier.drain_evicted() == []
+        assert held | set(evicted) == {key(i) for i in range(60)} and not held & set(evicted)
+        assert len(held) >= 8 and tier.counters.evicted_blocks == len(evicted)
+        assert held == {key(i) for i in range(60 - len(held), 60)}   # FIFO: the newest stay
+        assert evicted == [key(i) for i in range(len(evicted))]      # in age order
+        assert set((await outcomes(tier, range(60 - len(held), 60))).values()) == {GetOutcome.HIT}
+        # one batch bigger than the tier: it stays bounded and says what went
+        outs = await put(tier, range(100, 130))
+        assert outs == [PutOutcome.STORED] * 30 and tier.used_bytes <= tier.capacity_bytes
+        assert len(tier.drain_evicted()) + len(list(tier.iter_keys())) == len(held) + 30
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, blocks=6, seg_blocks=2))  # reopened smaller: evicts to fit
+        assert tier.used_bytes <= tier.capacity_bytes and tier.drain_evicted()
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_record_larger_than_the_tier_is_refused(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=2))
+        big = np.zeros(3 * BLOCK, np.uint8)
+        spec = dataclasses.replace(SPEC, nbytes=big.nbytes)
+        assert await tier.put(spec, key(1), big) is PutOutcome.NO_SPACE
+        assert tier.used_bytes == 0 and not tier.fits(spec)
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_compaction_reclaims_space_and_keeps_live_blocks(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=4))
+        await put(tier, range(24))
+        doomed = [i for i in range(24) if i % 4]   # 3 of 4 in every segment
+        await tier.delete_many([key(i) for i in doomed])
+        before = tier.used_bytes
+        freed = await tier.compact()
+        assert freed > 0 and tier.used_bytes < before - 10 * REC
+        assert tier.used_bytes == disk_bytes(tmp_path)
+        assert tier.counters.compactions >= 4
+        live = [i for i in range(24) if i % 4 == 0]
+        got = await outcomes(tier, range(24))
+        assert {i for i, o in got.items() if o is GetOutcome.HIT} == set(live)
+        assert (await tier.check()).ok
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=4))
+        got = await outcomes(tier, range(24))
+        assert {i for i, o in got.items() if o is GetOutcome.HIT} == set(live)
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_compaction_carries_tombstones_that_hide_older_puts(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=4))
+        await put(tier, range(4))                 # segment 1: puts 0..3; 1..3 stay live
+        await tier.delete(key(0))                 # segment 2: tombstone(0), then puts 4..6
+        await put(tier, range(4, 10))
+        segs = seg_files(tmp_path)
+        await tier.delete_many([key(i) for i in (4, 5, 6)])
+        assert segs[1].exists()                   # all dead, but its tombstone still hides put 0
+        assert await tier.compact() > 0 and not segs[1].exists() and segs[0].exists()
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=4))
+        got = await outcomes(tier, range(10))
+        assert {i for i, o in got.items() if o is GetOutcome.MISS} == {0, 4, 5, 6}
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_background_compaction_runs_after_deletes(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=4, background_compaction=True, compact_ratio=0.6))
+        await put(tier, range(16))
+        before = tier.used_bytes
+        await tier.delete_many([key(i) for i in range(16) if i % 4 != 3])
+        await asyncio.wait_for(tier._compactor, 10)
+        assert tier.counters.compactions >= 3 and tier.used_bytes < before / 2
+        got = await outcomes(tier, range(16))
+        assert {i for i, o in got.items() if o is GetOutcome.HIT} == {3, 7, 11, 15}
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_check_finds_and_fixes_corrupt_records(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(6))
+        report = await tier.check()
+        assert report.ok and report.records == 6 and report.live_blocks == 6
+        p, off = locate(tmp_path, payload(3).tobytes()[:256])
+        flip(p, off + 5)
+        report = await tier.check()
+        assert not report.ok and report.corrupt_keys == [key(3)] and report.dropped == 0
+        assert await tier.contains(key(3))
+        report = await tier.check(fix=True)
+        assert report.dropped == 1 and not await tier.contains(key(3))
+        report = await tier.check()
+        assert report.ok and report.dead_corrupt == 1 and report.tombstones == 1
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_write_error_answers_unavailable_and_leaves_no_garbage(tmp_path, monkeypatch):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path))
+        await put(tier, range(3))
+        real = os.pwritev
+
+        def failing(fd, bufs, off):  # fault injection: the disk fills up mid-record
+            real(fd, [memoryview(bufs[0])[:50]], off)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "pwritev", failing)
+        assert await put(tier, [3, 4]) == [PutOutcome.UNAVAILABLE] * 2
+        monkeypatch.setattr(os, "pwritev", real)
+        assert tier.counters.write_errors >= 1 and not await tier.contains(key(3))
+        assert await put(tier, [3, 5]) == [PutOutcome.STORED] * 2
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path))
+        got = await outcomes(tier, range(6))
+        assert got == {i: GetOutcome.MISS if i == 4 else GetOutcome.HIT for i in range(6)}
+        assert tier.counters.skipped_bytes > 0
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_batches_span_segments_and_read_concurrently(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=3, io_threads=3, durability="fsync"))
+        assert await put(tier, range(20)) == [PutOutcome.STORED] * 20
+        assert len(seg_files(tmp_path)) == 7
+        tier.drop_page_cache()
+        dsts = [np.zeros(BLOCK, np.uint8) for _ in range(21)]
+        outs = await tier.get_into_many(SPEC, [key(i) for i in range(21)], dsts)
+        assert outs == [GetOutcome.HIT] * 20 + [GetOutcome.MISS]
+        assert all(np.array_equal(dsts[i], payload(i)) for i in range(20))
+        # concurrent callers on one loop
+        res = await asyncio.gather(*(read(tier, i) for i in range(20)), put(tier, range(20, 30)))
+        assert set(res[:20]) == {GetOutcome.HIT} and res[20] == [PutOutcome.STORED] * 10
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_cancelled_put_leaves_the_tier_consistent(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8, durability="fsync"))
+        task = asyncio.ensure_future(put(tier, range(30)))
+        await asyncio.sleep(0)            # reserved and handed to the workers
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        got = await outcomes(tier, range(30))
+        assert set(got.values()) <= {GetOutcome.HIT, GetOutcome.MISS}
+        assert await put(tier, range(30, 32)) == [PutOutcome.STORED] * 2
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, seg_blocks=8))
+        assert set((await outcomes(tier, range(32))).values()) <= {GetOutcome.HIT, GetOutcome.MISS}
+        assert (await tier.check()).ok and await read(tier, 31) is GetOutcome.HIT
+        await tier.close()
+    asyncio.run(main())

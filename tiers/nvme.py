@@ -1,0 +1,582 @@
+"""NVMe tier: append-only segment files of checksummed records.
+
+Layout on disk: ``<path>/<id>.seg`` files (:mod:`kvstore.tiers.segments`)
+holding records (:mod:`kvstore.record`) back to back, plus a ``LOCK`` file
+so two processes never append to the same directory. The index (key ->
+segment, offset, header) lives in memory and is rebuilt on open by reading
+every record header, so the tier finds its contents again after a restart,
+a crash or a power cut, with no side index to keep consistent.
+
+Rules that keep it correct:
+
+* Durability ``fsync``: a put is acknowledged only after the fdatasync of
+  the batch that carried it (and the directory fsync of a new segment
+  file). ``none`` leaves write-back to the kernel: a crash of the process
+  loses nothing, a power cut may lose recent puts but never returns them
+  torn, because every read verifies the payload checksum.
+* A read verifies the on-disk header and the xxh3 payload checksum on the
+  destination buffer itself; a mismatch answers ``CORRUPT``, drops the key
+  and writes a tombstone so it does not come back after a restart.
+* Deletes append a tombstone (``FLAG_TOMBSTONE``, no payload). Segment ids
+  only grow and the scan applies records in (id, offset) order, so the last
+  record of a key decides. A tombstone is only needed while an older
+  segment may still hold a put of its key, which gives the reclaim rules:
+  an all-dead segment is unlinked at once if it holds no tombstones or is
+  the oldest; otherwise compaction carries its still-needed tombstones
+  forward first. A delete skips the tombstone only when the record's
+  segment was just unlinked as the oldest one.
+* Space: ``used_bytes`` is the sum of segment sizes (live and dead bytes,
+  including appends in flight) and never exceeds ``capacity_bytes``. When
+  a put needs room the oldest segment is evicted whole (FIFO by segment,
+  no per-block bookkeeping on the hot path); its live keys are handed out
+  by :meth:`NvmeTier.drain_evicted`. Segments whose live share drops below
+  ``compact_ratio`` are rewritten (live records copied forward) in the
+  background and on :meth:`NvmeTier.compact`.
+
+Rejected: O_DIRECT. It needs 4 KiB-aligned buffers and offsets (so a copy
+of every caller payload into aligned staging, or padding every record),
+and on this machine appends with O_DIRECT + fdatasync measured no faster
+than buffered writes + fdatasync; its 2-3 GB/s figure holds only for
+overwrites of preallocated blocks. Rejected: aiofiles (a thread per call
+around the same syscalls, without pwritev/preadv). Rejected: a key-value
+file per block (an open/close and a directory entry per 2 MiB, and no
+atomic way to replace one).
+
+Threading: every method is a coroutine on one event loop; index and
+segment bookkeeping are touched only there. Payload bytes move on a
+private thread pool (``io_threads``) with ``os.pwritev`` / ``os.preadv``,
+which release the GIL. Callers keep payload and destination buffers alive
+and unchanged until the call returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, BlockSpec, RecordHeader, check_layout, \
+    make_header
+from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
+from kvstore.tiers.segments import Segment, parse_segment_name, pwritev_all, read_record_into, \
+    scan_segment, segment_name, start_writeback
+
+__all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
+
+DEFAULT_SEGMENT_BYTES = 64 << 20
+MIN_CAPACITY_BYTES = 4096
+_WRITEBACK_CHUNK = 8 << 20   # bytes per pwritev before writeback is started (fsync mode)
+_PAGE = 4096
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeConfig:
+    """NVMe tier settings. ``segment_bytes`` is capped at a quarter of the
+    capacity, so one FIFO eviction never drops more than 25% of the tier."""
+
+    path: str
+    capacity_bytes: int
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    durability: str = "none"          # none | fsync (fdatasync before a put is acknowledged)
+    io_threads: int = 4
+    compact_ratio: float = 0.5        # rewrite a sealed segment whose live share falls below this
+    background_compaction: bool = True
+    evicted_backlog: int = 1 << 16    # evicted keys kept for drain_evicted(); older ones drop
+    name: str = "nvme"
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "path", os.fspath(self.path))
+        except TypeError as exc:
+            raise ConfigError(f"NVMe path must be a path, got {self.path!r}") from exc
+        if not self.path:
+            raise ConfigError("NVMe path must not be empty")
+        _int_at_least("capacity_bytes", self.capacity_bytes, MIN_CAPACITY_BYTES)
+        _int_at_least("segment_bytes", self.segment_bytes, 4096)
+        _int_at_least("io_threads", self.io_threads, 1)
+        _int_at_least("evicted_backlog", self.evicted_backlog, 0)
+        if self.durability not in ("none", "fsync"):
+            raise ConfigError(f"NVMe durability must be none or fsync, got {self.durability!r}")
+        if isinstance(self.compact_ratio, bool) or not isinstance(self.compact_ratio, (int, float)) \
+                or not 0.0 <= self.compact_ratio < 1.0:
+            raise ConfigError(f"compact_ratio must be in [0, 1), got {self.compact_ratio!r}")
+        if not isinstance(self.background_compaction, bool):
+            raise ConfigError("background_compaction must be a bool")
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("name must be a non-empty string")
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"NVMe {name} must be an int >= {low}, got {value!r}")
+
+
+def _lock_dir(path: str) -> int:
+    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
+    return fd
+
+
+class NvmeTier(NvmeMaintenance, TierOps):
+    """The NVMe tier. Opening scans every segment header (blocking: ~one
+    96-byte pread per record); use ``await NvmeTier.open(config)`` to run that
+    scan off the event loop."""
+
+    persistent = True
+    self_evicting = True      # evicts its oldest segment when full; see drain_evicted()
+
+    def __init__(self, config: NvmeConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._capacity = config.capacity_bytes
+        self._seg_limit = max(4096, min(config.segment_bytes, config.capacity_bytes // 4))
+        self._fsync = config.durability == "fsync"
+        os.makedirs(config.path, exist_ok=True)
+        self._lock_fd = _lock_dir(config.path)
+        self._dir_fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._segments: dict[int, Segment] = {}   # insertion order == id order == age order
+        self._index: dict[BlockKey, _Loc] = {}
+        self._pending: set[BlockKey] = set()       # puts reserved but not yet written
+        self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
+        self._active: Segment | None = None
+        self._used = 0
+        self._next_id = 1
+        self._closed = False
+        self._compactor: asyncio.Task | None = None
+        self.counters = NvmeCounters()
+        try:
+            self._open_segments()
+        except BaseException:
+            self._close_files()
+            raise
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvstore-{self.name}")
+
+    @classmethod
+    async def open(cls, config: NvmeConfig) -> "NvmeTier":
+        """Construct on a worker thread so the start-up scan does not block the loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, cls, config)
+
+    # -- open: rebuild the index from the segments --------------------------------
+    def _open_segments(self) -> None:
+        found = sorted((sid, name) for name in os.listdir(self.config.path)
+                       if (sid := parse_segment_name(name)) is not None)
+        for sid, name in found:
+            path = os.path.join(self.config.path, name)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            size = os.fstat(fd).st_size
+            res = scan_segment(fd, size)
+            if res.end < size:  # a torn tail: an append the crash cut short
+                os.ftruncate(fd, res.end)
+                if self._fsync:
+                    os.fsync(fd)
+                self.counters.torn_bytes += size - res.end
+                log.warning("%s: truncated %d torn bytes at the end of %s", self.name, size - res.end, name)
+            for start, end in res.skipped:
+                self.counters.skipped_bytes += end - start
+                log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
+            seg = Segment(sid, path, fd, res.end)
+            self._segments[sid] = seg
+            self._used += seg.size
+            for off, head in res.records:
+                self._apply(seg, off, head)
+            self._next_id = sid + 1
+        if found:
+            last = self._segments[found[-1][0]]
+            self._active = last if last.size < self._seg_limit else None
+        while self._used > self._capacity and self._segments:  # capacity shrank since last run
+            self._evict(self._oldest())
+        self._reclaim()
+
+    def _apply(self, seg: Segment, off: int, head: RecordHeader) -> None:
+        """Replay one scanned record: the latest record of a key wins."""
+        old = self._index.pop(head.key, None)
+        if old is not None:
+            self._mark_dead(old)
+        if head.flags & FLAG_TOMBSTONE:
+            seg.tombs[head.key] = head
+        else:
+            self._add_live(_Loc(seg, off, head))
+
+    # -- bookkeeping (event-loop thread) -----------------------------------------------
+    def _add_live(self, loc: _Loc) -> None:
+        self._index[loc.header.key] = loc
+        loc.seg.live_bytes += loc.nbytes
+        loc.seg.keys[loc.header.key] = None
+
+    def _mark_dead(self, loc: _Loc) -> None:
+        loc.seg.live_bytes -= loc.nbytes
+        loc.seg.keys.pop(loc.header.key, None)
+
+    def _oldest(self) -> Segment | None:
+        return next(iter(self._segments.values()), None)
+
+    def _drop(self, seg: Segment) -> None:
+        """Forget and unlink a segment (its live keys must already be gone)."""
+        del self._segments[seg.id]
+        self._used -= seg.size
+        if seg is self._active:
+            self._active = None
+        seg.retire()
+
+    def _evict(self, seg: Segment) -> None:
+        """FIFO eviction of a whole segment; its live keys go to drain_evicted()."""
+        for key in list(seg.keys):
+            self._index.pop(key, None)
+            self._evicted.append(key)
+        self.counters.evicted_blocks += len(seg.keys)
+        self.counters.evicted_segments += 1
+        seg.keys.clear()
+        seg.live_bytes = 0
+        self._drop(seg)
+
+    def _reclaim(self) -> int:
+        """Unlink all-dead segments that hold no tombstone still needed. Returns bytes freed."""
+        freed = 0
+        for seg in list(self._segments.values()):
+            if seg.live_bytes or seg.writing or (seg is self._active and seg.size == 0):
+                continue
+            if seg.tombs and seg is not self._oldest():
+                continue  # its tombstones may hide puts in older segments: compaction carries them
+            freed += seg.size
+            self._drop(seg)
+        return freed
+
+    def _new_segment(self) -> Segment:
+        sid = self._next_id
+        self._next_id += 1
+        path = os.path.join(self.config.path, segment_name(sid))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        seg = Segment(sid, path, fd)
+        seg.dir_synced = not self._fsync
+        self._segments[sid] = seg
+        self._active = seg
+        return seg
+
+    def _reserve(self, nbytes: int) -> tuple[Segment, int] | None:
+        """Place ``nbytes`` at the end of the active segment, evicting the oldest
+        segments until it fits under capacity. None if it can never fit."""
+        if nbytes > self._capacity:
+            return None
+        act = self._active
+        if act is not None and act.size and act.size + nbytes > self._seg_limit:
+            self._active = None  # sealed: full
+        while self._used + nbytes > self._capacity:
+            victim = self._oldest()
+            if victim is None:
+                return None
+            self._evict(victim)
+        act = self._active or self._new_segment()
+        off = act.size
+        act.size += nbytes
+        self._used += nbytes
+        return act, off
+
+    # -- appends -----------------------------------------------------------------
+    async def _append(self, items: Sequence[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]]
+                      ) -> list[_Loc | BaseException | None]:
+        """Reserve space for and write records; one result per item: its new
+        location, the OSError that failed its write, or None (no space).
+
+        Reservation happens before the first await, so the caller's checks of
+        the index made just before this call still hold at reservation time.
+        An item with header None is a put: its header (and checksum) is made
+        on the worker. Consecutive items in one segment go out as one pwritev
+        and, under ``fsync``, one fdatasync.
+        """
+        places: list[tuple[Segment, int] | None] = []
+        groups: list[tuple[Segment, int, list[int]]] = []
+        end = -1  # offset just past the current group: the next item joins it if it lands there
+        for i, (_, head, payload, _) in enumerate(items):
+            size = HEADER_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
+            where = self._reserve(size)
+            places.append(where)
+            if where is None:
+                continue
+            seg, off = where
+            if groups and groups[-1][0] is seg and off == end:
+                groups[-1][2].append(i)
+            else:
+                seg.pin()
+                seg.writing += 1
+                groups.append((seg, off, [i]))
+            end = off + size
+
+        def release() -> None:
+            for seg, _, _ in groups:
+                seg.writing -= 1
+                seg.unpin()
+        done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
+                                   for seg, off, idx in groups], release)
+        out: list[_Loc | BaseException | None] = [None] * len(items)
+        for (seg, _, idx), res in zip(groups, done):
+            for n, i in enumerate(idx):
+                out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
+            if isinstance(res, BaseException):
+                self.counters.write_errors += 1
+                log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
+        return out
+
+    async def _run_io(self, calls: list[tuple[object, tuple]], release) -> list[object]:
+        """Run blocking calls on the pool; results or exceptions, in order.
+
+        ``release`` (which unpins what the calls use) runs when the last call
+        has finished, even if the awaiting caller is cancelled first: a worker
+        never outlives the pin on its fd, and a cancelled caller still leaves
+        the bookkeeping straight (its writes then count as dead bytes).
+        """
+        loop = asyncio.get_running_loop()
+        fut = asyncio.gather(*(loop.run_in_executor(self._pool, fn, *args) for fn, args in calls),
+                             return_exceptions=True)
+        fut.add_done_callback(lambda _: release())
+        return await asyncio.shield(fut)
+
+    def _write_group(self, seg: Segment, offset: int,
+                     items: list[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]]
+                     ) -> list[RecordHeader]:
+        """Worker: headers (checksums) for puts, pwritev, fdatasync under fsync.
+
+        Under fsync the group goes out in ~8 MiB chunks, each followed by
+        :func:`start_writeback`, so the disk works while the next chunk is
+        checksummed and copied; one fdatasync at the end is the durability
+        point. Without fsync it is one pwritev (write-back is the kernel's).
+        """
+        if not seg.dir_synced:  # a new file's name must be durable before its records are
+            os.fsync(self._dir_fd)
+            seg.dir_synced = True
+        heads: list[RecordHeader] = []
+        bufs: list[object] = []
+        start = offset
+        for key, head, payload, spec in items:
+            if head is None:
+                head = make_header(key, spec, payload)
+            heads.append(head)
+            bufs += (head.pack(), payload)
+            offset += HEADER_BYTES + head.stored_len
+            if self._fsync and offset - start >= _WRITEBACK_CHUNK:
+                self._write_chunk(seg.fd, bufs, start, offset)
+                bufs, start = [], offset
+        if bufs:
+            self._write_chunk(seg.fd, bufs, start, offset)
+        if self._fsync:
+            os.fdatasync(seg.fd)
+        return heads
+
+    def _write_chunk(self, fd: int, bufs: list[object], start: int, end: int) -> None:
+        pwritev_all(fd, bufs, start)
+        if self._fsync:  # whole pages only: a page still being filled would be written twice
+            first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+            if last > first:
+                start_writeback(fd, first, last - first)
+
+    async def _write_tombstones(self, doomed: Sequence[_Loc]) -> None:
+        """Persist deletions. A tombstone is skipped only when the record's segment
+        is gone and no older segment survives that could hold another put of it."""
+        oldest = self._oldest()
+        floor = oldest.id if oldest is not None else self._next_id
+        need = [loc for loc in doomed if not (loc.seg.retired and loc.seg.id < floor)]
+        items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
+        if items:
+            for (key, head, _, _), res in zip(items, await self._append(items)):
+                if isinstance(res, _Loc) and not res.seg.retired:
+                    res.seg.tombs[key] = head
+        if self._fsync and len(need) < len(doomed):  # make the unlinks that replaced them durable
+            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
+
+    # -- the Tier protocol -------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
+        """Whether ``count`` blocks fit without evicting anything."""
+        return self._used + count * (HEADER_BYTES + spec.nbytes) <= self._capacity
+
+    def iter_keys(self) -> Iterator[BlockKey]:
+        return iter(list(self._index))
+
+    def drain_evicted(self) -> list[BlockKey]:
+        """Keys evicted (by FIFO segment eviction) since the last call."""
+        out = list(self._evicted)
+        self._evicted.clear()
+        return out
+
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [k in self._index for k in keys]
+
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
+        return [loc.header if (loc := self._index.get(k)) is not None else None for k in keys]
+
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                       payloads: Sequence[object]) -> list[PutOutcome]:
+        """Append a batch: one pwritev per segment touched, one fdatasync each
+        under ``fsync``. Returns after the data is written (and synced)."""
+        keys, views = check_batch(spec, keys, payloads, writable=False)
+        self._check_open()
+        out = [PutOutcome.EXISTS] * len(keys)
+        todo = []
+        for i, key in enumerate(keys):
+            if key not in self._index and key not in self._pending:
+                self._pending.add(key)
+                todo.append(i)
+        try:
+            results = await self._append([(keys[i], None, views[i], spec) for i in todo])
+        finally:
+            self._pending.difference_update(keys[i] for i in todo)
+        for i, res in zip(todo, results):
+            if res is None:
+                out[i] = PutOutcome.NO_SPACE
+            elif isinstance(res, BaseException):
+                out[i] = PutOutcome.UNAVAILABLE
+            else:
+                out[i] = PutOutcome.STORED
+                if res.seg.retired:  # evicted by a later reservation of this same batch
+                    self._evicted.append(keys[i])
+                else:
+                    self._add_live(res)
+        self.counters.puts += len(todo)
+        return out
+
+    async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                            dsts: Sequence[object]) -> list[GetOutcome]:
+        """Read each block straight into its destination, concurrently on the
+        pool, verifying header and checksum. ``CORRUPT`` drops the block."""
+        keys, views = check_batch(spec, keys, dsts, writable=True)
+        self._check_open()
+        locs = [self._index.get(k) for k in keys]
+        for loc in locs:  # refuse the whole batch before writing any destination
+            if loc is not None:
+                check_layout(loc.header, spec)
+        reads = [(loc, view) for loc, view in zip(locs, views) if loc is not None]
+        oks = await self._read_many(reads)
+        out, bad, it = [], [], iter(oks)
+        for loc in locs:
+            if loc is None:
+                out.append(GetOutcome.MISS)
+            elif next(it):
+                out.append(GetOutcome.HIT)
+            else:
+                out.append(GetOutcome.CORRUPT)
+                bad.append(loc)
+        self.counters.gets += len(keys)
+        if bad:
+            await self._drop_corrupt(bad)
+        return out
+
+    async def _read_many(self, reads: list[tuple[_Loc, memoryview]]) -> list[bool]:
+        """Run the reads on up to io_threads workers that take them in order from
+        one shared queue: the disk sees a near-sequential stream at queue depth
+        io_threads. Rejected: cutting the batch into one contiguous run per
+        thread (measured ~20% slower: the runs' read streams interleave on the
+        disk) and one pool job per read (~30 us of overhead per small block)."""
+        if not reads:
+            return []
+        for loc, _ in reads:
+            loc.seg.pin()
+        jobs = [(i, loc.seg.fd, loc.offset, loc.header, loc.header.pack(), view)
+                for i, (loc, view) in enumerate(reads)]
+        results = [False] * len(jobs)
+        queue = iter(jobs)  # list iterators are safe to share: next() runs under the GIL
+
+        def release() -> None:
+            for loc, _ in reads:
+                loc.seg.unpin()
+        await self._run_io([(_read_worker, (queue, results))] * min(self.config.io_threads, len(jobs)),
+                           release)
+        return results
+
+    async def _drop_corrupt(self, locs: Sequence[_Loc]) -> None:
+        doomed = []
+        for loc in locs:
+            if self._index.get(loc.header.key) is loc:
+                del self._index[loc.header.key]
+                self._mark_dead(loc)
+                doomed.append(loc)
+                log.warning("%s: dropped corrupt block %s in %s@%d", self.name,
+                            loc.header.key.hex()[:16], loc.seg.path, loc.offset)
+        self.counters.corrupt += len(doomed)
+        self._reclaim()
+        await self._write_tombstones(doomed)
+        self._schedule_compaction()
+
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        keys = [check_key(k) for k in keys]
+        self._check_open()
+        out, doomed = [], []
+        for key in keys:
+            loc = self._index.pop(key, None)
+            out.append(loc is not None)
+            if loc is not None:
+                self._mark_dead(loc)
+                doomed.append(loc)
+        if doomed:
+            self._reclaim()
+            await self._write_tombstones(doomed)
+            self._schedule_compaction()
+        return out
+
+    async def drop_namespace(self, namespace: bytes) -> int:
+        doomed = [k for k, loc in self._index.items() if loc.header.namespace == namespace]
+        return sum(await self.delete_many(doomed))
+
+    def drop_page_cache(self) -> None:
+        """Write back and evict this tier's files from the OS page cache
+        (blocking). fdatasync first: DONTNEED silently keeps dirty pages."""
+        for seg in list(self._segments.values()):
+            if seg.fd >= 0:
+                os.fdatasync(seg.fd)
+                os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    async def close(self) -> None:
+        """Finish compaction and in-flight I/O, flush, close every fd. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._compactor is not None:
+            await asyncio.gather(self._compactor, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._pool.shutdown, True)
+        if self._active is not None and self._active.fd >= 0:
+            await loop.run_in_executor(None, os.fdatasync, self._active.fd)
+        self._close_files()
+        self._index.clear()
+
+    def _close_files(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        for fd in (getattr(self, "_dir_fd", -1), self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._dir_fd = self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"{self.name} tier is closed")
+
+
+def _tombstone(head: RecordHeader) -> RecordHeader:
+    return RecordHeader(head.key, head.namespace, head.layout, 0, 0, 0, FLAG_TOMBSTONE)
+
+
+def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, bytes, memoryview]],
+                 results: list[bool]) -> None:
+    """Worker: take reads from the shared queue until it is empty."""
+    for i, fd, off, head, packed, dst in queue:
+        results[i] = read_record_into(fd, off, head, packed, dst)

@@ -1,0 +1,267 @@
+"""Maintenance of the NVMe tier: compaction and ``check(fix=)``.
+
+A mixin of :class:`kvstore.tiers.nvme.NvmeTier`, kept apart so the hot
+path (put / get / delete) reads on its own. It uses the tier's bookkeeping
+(``_segments``, ``_index``, ``_append``, ``_drop`` ...) and the same event
+loop and thread pool; see that module for the rules that keep tombstones
+and FIFO eviction sound.
+
+Compaction copies a segment's live records forward into the active segment
+(verifying each checksum on the way: a corrupt one is dropped, never
+copied), carries forward the tombstones an older segment may still need,
+fsyncs under ``durability="fsync"``, swaps the index entries that did not
+change meanwhile, and unlinks the segment. A crash in between leaves two
+identical copies of some records; the scan on open keeps the newer one.
+Rejected: compacting in place (hole punching with fallocate): it keeps the
+file count and FIFO order but frees only whole 4 KiB pages and still needs
+tombstones rewritten; copying forward is simpler and also refreshes the
+age of blocks that are still in use.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore.keys import BlockKey
+from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, RecordHeader
+from kvstore.tiers.segments import Segment, read_record, verify_segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger("kvstore.tiers.nvme")
+_COPY_CHUNK = 16 << 20   # live bytes read per compaction step: bounds its memory
+
+
+@dataclass(slots=True)
+class _Loc:
+    """Where a live record is: the index's value."""
+
+    seg: Segment
+    offset: int
+    header: RecordHeader
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.header.stored_len
+
+
+@dataclass(slots=True)
+class NvmeCounters:
+    """Running totals since open (read them; the tier writes them)."""
+
+    puts: int = 0
+    gets: int = 0
+    corrupt: int = 0              # blocks dropped because their record failed a check
+    evicted_blocks: int = 0
+    evicted_segments: int = 0
+    compactions: int = 0
+    compacted_bytes: int = 0      # live bytes copied forward by compaction
+    reclaimed_bytes: int = 0      # segment bytes freed by compaction
+    torn_bytes: int = 0           # torn tails truncated on open
+    skipped_bytes: int = 0        # unreadable regions skipped by the scan on open
+    write_errors: int = 0
+
+
+@dataclass(slots=True)
+class CheckReport:
+    """What :meth:`NvmeMaintenance.check` found. ``ok`` when nothing is wrong."""
+
+    segments: int = 0
+    records: int = 0              # put records on disk (live and dead)
+    tombstones: int = 0
+    live_blocks: int = 0
+    unreadable_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    corrupt_keys: list[BlockKey] = field(default_factory=list)   # live blocks whose record is bad
+    dead_corrupt: int = 0         # bad records no key points at (harmless; compaction drops them)
+    dropped: int = 0              # of those, dropped by fix=True
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class NvmeMaintenance:
+    """Compaction and verification for :class:`NvmeTier` (mixin)."""
+
+    async def compact(self: "NvmeTier") -> int:
+        """Rewrite now every sealed segment whose live share is below
+        ``compact_ratio`` (and every all-dead one); returns segment bytes freed.
+        A segment is skipped while copying its live bytes would not fit under
+        capacity: FIFO eviction reclaims it then."""
+        self._check_open()
+        if self._compactor is not None:
+            await asyncio.gather(self._compactor, return_exceptions=True)
+        return await self._compact_all()
+
+    def _schedule_compaction(self: "NvmeTier") -> None:
+        """Start background compaction if it is on, idle, and has work."""
+        if not self.config.background_compaction or self._closed:
+            return
+        if self._compactor is not None and not self._compactor.done():
+            return
+        if any(self._room_to_compact(s) for s in self._compaction_candidates()):
+            self._compactor = asyncio.get_running_loop().create_task(self._background_compaction())
+
+    async def _background_compaction(self: "NvmeTier") -> None:
+        try:
+            await self._compact_all()
+        except Exception:  # a background task has no caller to raise to
+            log.exception("%s: background compaction failed", self.name)
+
+    def _compaction_candidates(self: "NvmeTier") -> list[Segment]:
+        ratio = self.config.compact_ratio
+        return [s for s in self._segments.values()
+                if s is not self._active and not s.writing and s.size
+                and (s.live_bytes == 0 or s.live_bytes < ratio * s.size)]
+
+    def _room_to_compact(self: "NvmeTier", seg: Segment) -> bool:
+        return self._used + seg.live_bytes + HEADER_BYTES * len(seg.tombs) <= self._capacity
+
+    async def _compact_all(self: "NvmeTier") -> int:
+        freed = 0
+        progress = True
+        while progress and not self._closed:
+            progress = False
+            for seg in self._compaction_candidates():
+                if self._closed or seg.retired or not self._room_to_compact(seg):
+                    continue
+                try:
+                    done = await self._compact_segment(seg)
+                except OSError as exc:  # a read failed: leave the segment, FIFO will take it
+                    log.error("%s: compaction of %s failed: %s", self.name, seg.path, exc)
+                    done = 0
+                freed += done
+                progress = progress or done > 0
+        return freed
+
+    async def _compact_segment(self: "NvmeTier", seg: Segment) -> int:
+        """Copy ``seg``'s live records and needed tombstones forward, then unlink it.
+        Returns the bytes freed, 0 if the segment had to stay."""
+        seg.pin()
+        try:
+            locs = sorted((self._index[k] for k in seg.keys), key=lambda loc: loc.offset)
+            start = 0
+            while start < len(locs):
+                stop, nbytes = start, 0
+                while stop < len(locs) and (stop == start or nbytes + locs[stop].nbytes <= _COPY_CHUNK):
+                    nbytes += locs[stop].nbytes
+                    stop += 1
+                await self._copy_forward(seg, locs[start:stop])
+                start = stop
+            if not await self._carry_tombstones(seg):
+                return 0
+        finally:
+            seg.unpin()
+        if seg.retired or seg.live_bytes or seg.writing:
+            return 0
+        freed = seg.size
+        self._drop(seg)
+        if self._fsync:
+            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
+        self.counters.compactions += 1
+        self.counters.reclaimed_bytes += freed
+        return freed
+
+    async def _copy_forward(self: "NvmeTier", seg: Segment, chunk: list[_Loc]) -> None:
+        loop = asyncio.get_running_loop()
+        bufs = await loop.run_in_executor(
+            self._pool, _read_records, seg.fd, [(loc.offset, loc.header) for loc in chunk])
+        # Filter and reserve with no await in between: a key deleted or replaced while
+        # we read is not copied (a copy after its tombstone would resurrect it).
+        live, bad = [], []
+        for loc, buf in zip(chunk, bufs):
+            if self._index.get(loc.header.key) is loc:
+                (bad if buf is None else live).append((loc, buf))
+        results = await self._append([(loc.header.key, loc.header, buf, None) for loc, buf in live])
+        for (old, _), res in zip(live, results):
+            if isinstance(res, _Loc) and not res.seg.retired and self._index.get(old.header.key) is old:
+                self._mark_dead(old)
+                self._add_live(res)
+                self.counters.compacted_bytes += res.nbytes
+        if bad:
+            await self._drop_corrupt([loc for loc, _ in bad])
+
+    async def _carry_tombstones(self: "NvmeTier", seg: Segment) -> bool:
+        """Re-append the tombstones of ``seg`` that may still hide a put in an
+        older segment. Not needed when ``seg`` is the oldest, or the key was put
+        again since (or is being put now). True if all needed ones were written."""
+        if seg is self._oldest() or not seg.tombs:
+            return True
+        carry = [(k, h, b"", None) for k, h in seg.tombs.items()
+                 if k not in self._index and k not in self._pending]
+        ok = True
+        for (key, head, _, _), res in zip(carry, await self._append(carry)):
+            if isinstance(res, _Loc) and not res.seg.retired:
+                res.seg.tombs[key] = head
+            elif not isinstance(res, _Loc):
+                ok = False
+        return ok
+
+    async def check(self: "NvmeTier", fix: bool = False) -> CheckReport:
+        """Verify every record's header and payload checksum in every segment
+        (reads the whole tier on the pool) and that the index agrees with the
+        disk. Run it while the tier is otherwise idle: an append in flight reads
+        as torn. ``fix=True`` drops the live blocks found bad, with tombstones so
+        they stay gone after a restart (torn tails are truncated on open)."""
+        self._check_open()
+        segs = list(self._segments.values())
+        for s in segs:
+            s.pin()
+
+        def release() -> None:
+            for s in segs:
+                s.unpin()
+        results = await self._run_io([(verify_segment, (s.fd, s.size)) for s in segs], release)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        report = CheckReport(segments=len(segs), live_blocks=len(self._index))
+        bad: list[_Loc] = []
+        for seg, res in zip(segs, results):
+            bad.extend(self._check_segment(seg, res, report))
+        if fix and bad:
+            before = self.counters.corrupt
+            await self._drop_corrupt(bad)
+            report.dropped = self.counters.corrupt - before
+        return report
+
+    def _check_segment(self: "NvmeTier", seg: Segment, res, report: CheckReport) -> list[_Loc]:
+        name = os.path.basename(seg.path)
+        on_disk = dict(res.scan.records)
+        for head in on_disk.values():
+            if head.flags & FLAG_TOMBSTONE:
+                report.tombstones += 1
+            else:
+                report.records += 1
+        for start, end in res.scan.skipped:
+            report.unreadable_bytes += end - start
+            report.problems.append(f"{name}@{start}: {end - start} unreadable bytes")
+        if res.scan.end < seg.size:
+            report.unreadable_bytes += seg.size - res.scan.end
+            report.problems.append(f"{name}@{res.scan.end}: torn tail of {seg.size - res.scan.end} bytes")
+        bad = []
+        for off, head, why in res.bad:
+            loc = self._index.get(head.key)
+            if loc is None or loc.seg is not seg or loc.offset != off:
+                report.dead_corrupt += 1
+                continue
+            report.problems.append(f"{name}@{off}: {why} (block {head.key.hex()[:16]})")
+            bad.append(loc)
+            report.corrupt_keys.append(head.key)
+        for key in list(seg.keys):
+            loc = self._index[key]
+            if on_disk.get(loc.offset) != loc.header:
+                report.problems.append(f"{name}@{loc.offset}: indexed block {key.hex()[:16]} not on disk")
+                bad.append(loc)
+                report.corrupt_keys.append(key)
+        return bad
+
+
+def _read_records(fd: int, wanted: list[tuple[int, RecordHeader]]) -> list[bytearray | None]:
+    """Worker: each record's payload, or None where it fails its checks."""
+    return [read_record(fd, off, head) for off, head in wanted]
