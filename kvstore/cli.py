@@ -81,6 +81,36 @@ def demo(working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvm
         _fail(exc)
 
 
+@main.command()
+@click.option("--nvme-path", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The NVMe tier's directory.")
+@click.option("--fix", is_flag=True, help="Drop the corrupt blocks found (with tombstones).")
+def check(nvme_path: str, fix: bool) -> None:
+    """Verify every record of an NVMe tier directory (checksums, index); exit 1 on problems."""
+    import asyncio  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
+
+    async def run() -> object:
+        size = sum(e.stat().st_size for e in os.scandir(nvme_path) if e.is_file())
+        tier = await NvmeTier.open(NvmeConfig(path=nvme_path, capacity_bytes=max(size, 1) * 2 + (64 << 20)))
+        try:
+            return await tier.check(fix=fix)
+        finally:
+            await tier.close()
+    try:
+        report = asyncio.run(run())
+    except KVStoreError as exc:
+        _fail(exc)
+    click.echo(f"segments {report.segments}, records {report.records}, live blocks {report.live_blocks}, "
+               f"tombstones {report.tombstones}, corrupt live blocks {len(report.corrupt_keys)}, "
+               f"dropped {report.dropped}")
+    for problem in report.problems:
+        click.echo(f"problem: {problem}")
+    sys.exit(0 if report.ok or (fix and report.dropped == len(report.corrupt_keys)) else 1)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: tier throughput, trace replay, regime sweep."""

@@ -86,3 +86,30 @@ def test_import_kvstore_stays_light():
             "print([m for m in ('torch', 'cupy', 'redis', 'vllm') if m in sys.modules])")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
+    import asyncio
+    import os
+
+    import numpy as np
+
+    from kvstore.record import BlockSpec
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+
+    async def fill():
+        tier = await NvmeTier.open(NvmeConfig(path=str(tmp_path), capacity_bytes=64 << 20))
+        await tier.put_many(BlockSpec.raw(8192), [bytes([i + 1]) * 32 for i in range(5)],
+                            [np.full(8192, i, np.uint8) for i in range(5)])
+        await tier.close()
+    asyncio.run(fill())
+    assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
+    seg = next(f for f in os.listdir(tmp_path) if f.endswith(".seg"))
+    with open(tmp_path / seg, "r+b") as f:
+        f.seek(96 + 100)
+        f.write(b"\xff\xfe")
+    bad = kvstore("check", "--nvme-path", str(tmp_path), check=False)
+    assert bad.returncode == 1 and "checksum" in bad.stdout
+    assert kvstore("check", "--nvme-path", str(tmp_path), "--fix").returncode == 0
+    after = kvstore("check", "--nvme-path", str(tmp_path))
+    assert "live blocks 4" in after.stdout
