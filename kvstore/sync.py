@@ -53,6 +53,12 @@ class KVStore:
             blocks: Sequence[object]) -> list[PutOutcome]:
         return self._call(self.store.aput(identity, keys, blocks))
 
+    def put_async(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  blocks: Sequence[object]) -> concurrent.futures.Future:
+        """Like ``put`` without waiting: a Future of the outcomes. The caller
+        must leave ``blocks`` unchanged until the Future is done."""
+        return asyncio.run_coroutine_threadsafe(self.store.aput(identity, keys, blocks), self._loop)
+
     def get_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
                  dsts: Sequence[object]) -> list[MissReason | None]:
         return self._call(self.store.aget_into(identity, keys, dsts))

@@ -16,6 +16,11 @@ step "python packages"
 # `torch` would pull a multi-GB CUDA build.
 "$PY" -m pip install --quiet "torch==2.13.0" transformers
 "$PY" -m pip install --quiet -e '.[test]'
+# SGLang: only its HiCacheStorage interface is needed; its declared pins clash
+# with the CPU torch, so install it without dependencies plus the modules its
+# storage code imports.
+"$PY" -m pip install --quiet --no-deps "sglang==0.5.23"
+"$PY" -m pip install --quiet psutil pybase64 triton starlette msgspec pyzmq aiohttp
 
 step "redis-server"
 if ! command -v redis-server >/dev/null 2>&1; then

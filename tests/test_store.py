@@ -198,3 +198,10 @@ def test_sync_facade_from_many_threads():
         assert kv.stats()["hits"] == 48
         assert kv.prefetch(KEYS[:2]).result(timeout=5) == 0
         assert kv.invalidate(ID.replace(cache_salt="1")) == 12
+
+
+def test_sync_put_async_returns_a_future():
+    with KVStore(lambda: TieredStore([dram(16)])) as kv:
+        fut = kv.put_async(ID, KEYS[:3], [block(i) for i in range(3)])
+        assert fut.result(timeout=5) == [PutOutcome.STORED] * 3
+        assert kv.lookup(KEYS[:3]).prefix_blocks == 3

@@ -1,0 +1,249 @@
+"""Glue shared by the engine connectors: identity from engine facts, the
+connector config, the canonical block payload layout, and a store guard.
+
+Payload layout (one sealed block = one contiguous record, all layers):
+
+    [num_layers, 2 (K, V), block_tokens, num_kv_heads, head_dim]   (MHA/GQA/MQA)
+    [num_layers, block_tokens, head_dim]                            (MLA latent)
+
+in the KV dtype, C order. Token-major inside a layer because that is how
+paged engines (vLLM's NHD blocks, SGLang's token pools) hold K/V, so a save is
+one strided copy per layer. Every connector writes this same order; the
+identity still carries the engine name, because two engines' kernels do not
+produce bit-identical K/V for the same tokens, and a block may only be
+reused where it is bit-for-bit what a fresh prefill computes.
+
+Rejected: one record per layer (8-72 KB fragments; vLLM's offloading got 4-5x
+faster moving whole blocks), and storing the engine's native layout
+(HND vs NHD) as-is (then the layout would have to enter the key as well).
+
+This module never imports torch, vllm or sglang: it is cheap to import.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, KVStoreError, TierUnavailable
+from kvstore.identity import CacheIdentity, KVLayout
+
+log = logging.getLogger("kvstore.connectors")
+T = TypeVar("T")
+
+# identity fields a user may set in the connector config; the engine supplies
+# the rest (model, layout, dtype, shard) and they cannot be overridden, since a
+# wrong layout would make every load garbage.
+USER_IDENTITY_FIELDS = (
+    "model_id", "model_revision", "tokenizer_id", "tokenizer_revision", "kv_quant",
+    "adapter_id", "adapter_revision", "chat_template_revision", "mm_processor_version",
+    "cache_salt", "key_hash",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """What a connector reads from its engine-side config (vLLM's
+    ``kv_connector_extra_config``, SGLang's ``--hicache-storage-backend-extra-config``).
+
+    ``store`` is a :class:`StoreConfig` dict (``dram_bytes``, ``nvme_path``, ...);
+    ``identity`` overrides the user-settable identity fields (revisions, chat
+    template, tenant salt); ``save`` / ``load`` turn either direction off;
+    ``min_load_blocks`` skips loads too short to beat recomputing them.
+    """
+
+    store: StoreConfig
+    identity: tuple[tuple[str, str], ...] = ()
+    save: bool = True
+    load: bool = True
+    min_load_blocks: int = 1
+    extra: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, StoreConfig):
+            raise ConfigError("store must be a StoreConfig")
+        for name, value in self.identity:
+            if name not in USER_IDENTITY_FIELDS:
+                raise ConfigError(f"identity field {name!r} cannot be set here; "
+                                  f"settable: {', '.join(USER_IDENTITY_FIELDS)}")
+            if not isinstance(value, str):
+                raise ConfigError(f"identity field {name} must be a string, got {value!r}")
+        for name in ("save", "load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false")
+        if not isinstance(self.min_load_blocks, int) or self.min_load_blocks < 1:
+            raise ConfigError(f"min_load_blocks must be a positive int, got {self.min_load_blocks!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | str | None,
+                  known_extra: Sequence[str] = ()) -> ConnectorConfig:
+        """Parse a dict (or its JSON text). Unknown keys are errors, except
+        ``known_extra`` ones, which the engine-specific connector reads."""
+        if data is None:
+            data = {}
+        if isinstance(data, str):
+            try:
+                data = json.loads(data) if data.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"connector config is not valid JSON: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise ConfigError("connector config must be an object")
+        data = dict(data)
+        mine = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = {k: data.pop(k) for k in list(data) if k in known_extra}
+        unknown = sorted(set(data) - mine)
+        if unknown:
+            raise ConfigError(f"unknown connector config key(s): {', '.join(unknown)}; "
+                              f"known: {sorted(mine | set(known_extra))}")
+        store = StoreConfig.from_dict(data.pop("store", {"dram_bytes": 1 << 30}))
+        ident = data.pop("identity", {}) or {}
+        if not isinstance(ident, Mapping):
+            raise ConfigError("identity must be an object of strings")
+        return cls(store=store, identity=tuple(sorted(ident.items())),
+                   extra=tuple(sorted(extra.items())), **data)
+
+    def extra_value(self, name: str, default: Any = None) -> Any:
+        return dict(self.extra).get(name, default)
+
+
+def attention_kind(num_heads: int, num_kv_heads: int, *, mla: bool = False,
+                   sliding_window: int | None = None) -> str:
+    if mla:
+        return "mla"
+    if sliding_window:
+        return "sliding_window"
+    if num_kv_heads == num_heads:
+        return "mha"
+    return "mqa" if num_kv_heads == 1 else "gqa"
+
+
+def dtype_name(dtype: object) -> str:
+    """'torch.bfloat16' / numpy dtype / str -> the identity's dtype name."""
+    text = str(dtype).removeprefix("torch.")
+    aliases = {"half": "float16", "float": "float32", "float8_e4m3fn": "fp8_e4m3",
+               "float8_e5m2": "fp8_e5m2"}
+    return aliases.get(text, text)
+
+
+def rope_fields(config: object) -> tuple[float, str]:
+    """(rope_theta, canonical JSON of the scaling dict) from an HF-style config.
+
+    transformers 5 moved both into ``rope_parameters``; 4.x had ``rope_theta``
+    and ``rope_scaling``. Either way the identity gets the same values.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
+            scaling = {}
+    else:
+        theta = float(getattr(config, "rope_theta", 10000.0) or 10000.0)
+        scaling = getattr(config, "rope_scaling", None) or {}
+    text = json.dumps(scaling, sort_keys=True, separators=(",", ":"), default=str) if scaling else ""
+    return theta, text
+
+
+def build_identity(*, engine: str, model_id: str, layout: KVLayout, user: Mapping[str, str] = {},
+                   engine_extra: Mapping[str, str] = {}, **fields: Any) -> CacheIdentity:
+    """A CacheIdentity from engine facts (``fields``) plus user overrides.
+
+    Engine facts win over nothing: a user override of an engine-derived field
+    such as the LoRA id or the salt is refused by :class:`ConnectorConfig`
+    unless it is one of :data:`USER_IDENTITY_FIELDS`; per-request values
+    (cache_salt, adapter) are passed in ``fields`` and take precedence.
+    """
+    values: dict[str, Any] = {"model_id": model_id}
+    values.update({k: v for k, v in user.items()})
+    values.update({k: v for k, v in fields.items() if v is not None})
+    extra = {"engine": engine, **{k: str(v) for k, v in engine_extra.items()}}
+    values["extra"] = tuple(sorted(extra.items()))
+    return CacheIdentity(layout=layout, **values)
+
+
+# -- one store per config per process ---------------------------------------------
+
+_STORES: dict[str, Any] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], T] | None = None) -> T:
+    """The process's store for ``config``, opened on first use.
+
+    Why shared: vLLM builds one connector object for the scheduler and another
+    for the worker, in the same process when there is one worker; both must see
+    the same DRAM tier or the scheduler would promise blocks the worker cannot
+    load. Across processes, sharing needs a persistent or remote tier (NVMe,
+    Redis, the daemon). Thread-safe. Stores live until the process exits.
+    """
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            try:
+                store = (opener or open_store)(config)
+            except Exception as exc:  # noqa: BLE001 - an engine must start without its cache
+                log.error("kvstore: cannot open the store (%s: %s); running without it "
+                          "(every lookup misses, saves are dropped)", type(exc).__name__, exc)
+                store = UnavailableStore(f"{type(exc).__name__}: {exc}")
+            _STORES[key] = store
+        return store
+
+
+class UnavailableStore:
+    """Stands in for a store that could not be opened: every call raises
+    :class:`TierUnavailable`, which :class:`StoreGuard` turns into a miss."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise TierUnavailable(f"store unavailable: {self.why}")
+        return fail
+
+
+def process_local_tiers(config: StoreConfig) -> list[str]:
+    """Tiers whose contents another process cannot see (HBM, DRAM; NVMe is
+    locked to one process at a time)."""
+    return [name for name, on in (("hbm", config.hbm_bytes), ("dram", config.dram_bytes),
+                                  ("nvme", config.nvme_bytes)) if on]
+
+
+def open_store(config: StoreConfig) -> Any:
+    """A blocking :class:`kvstore.sync.KVStore` built from ``config``."""
+    from kvstore.factory import open_store as _open
+    return _open(config)
+
+
+class StoreGuard:
+    """Runs store calls so a broken or unreachable store degrades to misses.
+
+    An engine must never fail a request because its cache failed: every
+    exception from the store is logged (once per kind, then counted) and the
+    caller gets ``fallback``. Bad input from the connector itself is a bug and
+    is logged the same way rather than raised into the engine's step loop.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.errors = 0
+        self._seen: set[str] = set()
+
+    def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            self.errors += 1
+            kind = f"{what}:{type(exc).__name__}"
+            if kind not in self._seen:
+                self._seen.add(kind)
+                log.warning("%s: store %s failed (%s: %s); treating as a miss",
+                            self.name, what, type(exc).__name__, exc,
+                            exc_info=not isinstance(exc, KVStoreError))
+            return fallback

