@@ -178,11 +178,26 @@ class NvmeMaintenance:
             if self._index.get(loc.header.key) is loc:
                 (bad if buf is None else live).append((loc, buf))
         results = await self._append([(loc.header.key, loc.header, buf, None) for loc, buf in live])
+        stale = []
         for (old, _), res in zip(live, results):
-            if isinstance(res, _Loc) and not res.seg.retired and self._index.get(old.header.key) is old:
+            if not isinstance(res, _Loc) or res.seg.retired:
+                continue
+            key = old.header.key
+            if self._index.get(key) is old:
                 self._mark_dead(old)
                 self._add_live(res)
                 self.counters.compacted_bytes += res.nbytes
+            elif key not in self._index and key not in self._pending:
+                stale.append(res)
+        # The key left the index while the copy was written: its source segment was
+        # evicted (FIFO, by a put that ran meanwhile), or it was deleted and the
+        # delete wrote no tombstone because the source, then all dead and the
+        # oldest, was unlinked. The copy is dead here but would be the key's newest
+        # record on the next open, bringing back a block that was reported evicted
+        # or deleted. A tombstone, reserved with no await since the check above,
+        # keeps it gone (redundant, and harmless, after a delete that wrote one).
+        if stale:
+            await self._write_tombstones(stale)
         if bad:
             await self._drop_corrupt([loc for loc, _ in bad])
 
@@ -209,6 +224,8 @@ class NvmeMaintenance:
         as torn. ``fix=True`` drops the live blocks found bad, with tombstones so
         they stay gone after a restart (torn tails are truncated on open)."""
         self._check_open()
+        if self._compactor is not None:  # its appends in flight would read as torn tails
+            await asyncio.gather(self._compactor, return_exceptions=True)
         segs = list(self._segments.values())
         for s in segs:
             s.pin()

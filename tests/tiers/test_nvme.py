@@ -30,6 +30,7 @@ import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import errno  # noqa: E402
 import os  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -336,6 +337,46 @@ def test_background_compaction_runs_after_deletes(tmp_path):
         assert tier.counters.compactions >= 3 and tier.used_bytes < before / 2
         got = await outcomes(tier, range(16))
         assert {i for i, o in got.items() if o is GetOutcome.HIT} == {3, 7, 11, 15}
+        await tier.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["evicted", "deleted"])
+def test_a_block_gone_while_compaction_copies_it_stays_gone(tmp_path, how):
+    """While compaction writes its copy of block 0, the block leaves the tier:
+    a put evicts the segment being compacted (FIFO), or a delete empties that
+    segment so it is unlinked without a tombstone. The dead copy must not
+    bring block 0 back on the next open."""
+    async def main():
+        conf = cfg(tmp_path, blocks=10, seg_blocks=2, compact_ratio=0.6)
+        tier = NvmeTier(conf)
+        await put(tier, range(6))                  # segments {0,1} {2,3} {4,5}
+        await tier.delete(key(1))                  # the first is half live: a candidate
+        entered, release = threading.Event(), threading.Event()
+        real = tier._write_group
+
+        def held_copy(seg, off, items):            # fault injection: hold compaction's write
+            if any(head is not None and head.stored_len for _, head, _, _ in items):
+                entered.set()
+                release.wait(10)
+            return real(seg, off, items)
+        tier._write_group = held_copy
+        compaction = asyncio.ensure_future(tier.compact())
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        if how == "evicted":
+            assert await put(tier, range(6, 10)) == [PutOutcome.STORED] * 4   # evicts {0, 1}
+            assert key(0) in tier.drain_evicted()
+        else:
+            assert await tier.delete(key(0))
+        release.set()
+        await compaction
+        held = sorted(tier.iter_keys())
+        assert key(0) not in held
+        await tier.close()
+        tier = NvmeTier(conf)
+        assert sorted(tier.iter_keys()) == held
+        assert await read(tier, 0) is GetOutcome.MISS
+        assert (await tier.check()).ok
         await tier.close()
     asyncio.run(main())
 
