@@ -14,7 +14,7 @@ per touch for no ordering LRU cannot express with an OrderedDict).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Iterator
+from typing import Callable, Container, Iterator
 
 from kvstore.errors import ConfigError
 from kvstore.policies.base import Key
@@ -193,6 +193,76 @@ class S3FIFO(OrderPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._small or key in self._main
+
+
+class ClassedLRU(OrderPolicy):
+    """Weighted-age order over classes of keys (one LRU queue per class).
+
+    ``stamp(key) -> (cls, last_use_s)`` comes from the placement's reuse
+    model (it sees every request, the tier does not); ``weight(cls) > 0`` is
+    how much longer a key of that class deserves to stay (its estimated
+    reuse rate), ``now()`` the model's current time. The victim is the queue
+    head with the largest ``age / weight(cls)``: a class reused twice as
+    often keeps its keys twice as long. With one class it is LRU by last use.
+
+    O(classes) per victim. ``stamp`` is read at insert / touch only, so a key
+    whose class changes moves on its next touch. Rejected: one heap keyed by
+    ``last_use + bonus(cls)`` (a fixed bonus cannot express "twice as long",
+    and lazy heap deletion doubles memory under touch-heavy traffic).
+    """
+
+    name = "classed-lru"
+
+    def __init__(self, stamp: Callable[[Key], tuple[int, float]],
+                 weight: Callable[[int], float], now: Callable[[], float]) -> None:
+        self._stamp, self._weight, self._now = stamp, weight, now
+        self._queues: dict[int, OrderedDict[Key, float]] = {}
+        self._cls: dict[Key, int] = {}
+
+    def insert(self, key: Key) -> None:
+        self.remove(key)
+        cls, t = self._stamp(key)
+        self._queues.setdefault(cls, OrderedDict())[key] = t
+        self._cls[key] = cls
+
+    touch = insert
+
+    def remove(self, key: Key) -> None:
+        cls = self._cls.pop(key, None)
+        if cls is not None:
+            del self._queues[cls][key]
+
+    def _candidates(self) -> Iterator[Key]:
+        """Merge the class queues by weighted age, without mutating them."""
+        now = self._now()
+        heads: dict[int, tuple[Iterator, Key, float]] = {}
+        for cls, q in self._queues.items():
+            it = iter(q.items())
+            first = next(it, None)
+            if first is not None:
+                heads[cls] = (it, first[0], first[1])
+        while heads:
+            cls = max(heads, key=lambda c: (now - heads[c][2]) / self._weight(c))
+            it, key, _ = heads[cls]
+            yield key
+            nxt = next(it, None)
+            if nxt is None:
+                del heads[cls]
+            else:
+                heads[cls] = (it, nxt[0], nxt[1])
+
+    def peek(self) -> Key | None:
+        """The next victim, ignoring protection; nothing changes."""
+        return next(self._candidates(), None)
+
+    def _drop(self, key: Key) -> None:
+        self.remove(key)
+
+    def __len__(self) -> int:
+        return len(self._cls)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._cls
 
 
 POLICIES = {"lru": LRU, "s3fifo": S3FIFO}

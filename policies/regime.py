@@ -12,8 +12,14 @@ WATCH      t1..t2 (250K)     HBM evictions written back to DRAM only with reuse
 DRAM       t2..t3 (500K)     every HBM eviction written back to DRAM; DRAM hits
                              promoted; DRAM evictions dropped
 SPILL      > t3              as DRAM, and DRAM evictions spill to NVMe, then
-                             Redis, frequency-filtered to spare SSD wear
+                             Redis, filtered to spare SSD wear (see below)
 =========  ================  ==================================================
+
+Below HBM (the engine's own LRU) the tiers are ordered by the policy's
+:class:`ReuseModel` (``make_order``): blocks of request classes that later
+requests extend more often stay longer (:class:`~.eviction.ClassedLRU`), and
+the NVMe / Redis filter admits a block seen twice, or one worth more than
+the block it would displace (TinyLFU's rule over the model's value).
 
 Thresholds are settable (:class:`RegimeConfig`), or derived from the tiers
 (``mode="auto"``): t1 = HBM capacity, t3 = HBM + DRAM capacity, t2 midway;
@@ -32,10 +38,13 @@ import enum
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
 from kvstore.errors import ConfigError
+from kvstore.policies.base import first_present
+from kvstore.policies.eviction import ClassedLRU
 from kvstore.policies.working_set import WorkingSetConfig, WorkingSetEstimator, stable_hash64
 
 log = logging.getLogger(__name__)
@@ -85,6 +94,93 @@ class FrequencyFilter:
         return min(row[s] for row, s in zip(self._rows, self._slots(key)))
 
 
+class ReuseModel:
+    """Online estimate of how likely a block is to be reused, by request class.
+
+    A prefix hit reuses a whole earlier request (the next turn of a
+    conversation re-sends it), so reuse is learnt per *request*: each request
+    gets a class from what is known when it arrives - its depth (how many
+    earlier requests its longest previously seen prefix ran through, capped)
+    and its size (short or long) - and a class's rate is the share of its
+    requests that a later request extended, counted online from the stream
+    (``(extended + 1) / (requests + 2)``; requests still waiting for a next
+    turn count as not extended, which biases every class alike). Each block
+    remembers the class and time of the last request that carried it
+    (``stamp``); ``ClassedLRU`` orders a tier by them.
+
+    Memory: at most ``max_keys`` block records and ``max_pending`` requests
+    waiting to be extended (oldest forgotten first). Single-threaded.
+
+    Rejected: per-block frequency alone (TinyLFU's signal): a block's first
+    reuse is its conversation's next turn, so counting blocks learns only
+    after the decision that mattered; and position in the prefix (block 0
+    is shared by everyone, but every later position of a chain is reused
+    together or not at all).
+    """
+
+    DEPTHS = 3
+    LONG_BLOCKS = 8
+
+    def __init__(self, max_keys: int = 1 << 21, max_pending: int = 1 << 17,
+                 power: float = 1.0) -> None:
+        self.max_keys, self.max_pending, self.power = max_keys, max_pending, power
+        self._meta: OrderedDict[Hashable, list] = OrderedDict()   # key -> [cls, t, count, req]
+        self._pending: OrderedDict[int, int] = OrderedDict()      # request seq -> cls
+        n = 2 * self.DEPTHS
+        self._requests, self._extended = [0] * n, [0] * n
+        self._seq = 0
+        self.now = 0.0
+
+    def observe(self, keys: Sequence[Hashable], now: float) -> int:
+        """Classify and record one request; returns its class."""
+        self.now = now
+        self._seq += 1
+        meta = self._meta
+        hm = first_present(keys, meta)
+        parent = meta[keys[hm - 1]] if hm >= 2 else None
+        depth = 0 if parent is None else min(parent[2], self.DEPTHS - 1)
+        cls = 2 * depth + (len(keys) >= self.LONG_BLOCKS)
+        if parent is not None:
+            pc = self._pending.pop(parent[3], None)
+            if pc is not None:
+                self._extended[pc] += 1
+        self._requests[cls] += 1
+        self._pending[self._seq] = cls
+        if len(self._pending) > self.max_pending:
+            self._pending.popitem(last=False)
+        for k in keys:
+            m = meta.get(k)
+            if m is None:
+                meta[k] = [cls, now, 1, self._seq]
+            else:
+                m[0], m[1], m[2], m[3] = cls, now, m[2] + 1, self._seq
+                meta.move_to_end(k)
+        while len(meta) > self.max_keys:
+            meta.popitem(last=False)
+        return cls
+
+    def rate(self, cls: int) -> float:
+        return (self._extended[cls] + 1) / (self._requests[cls] + 2)
+
+    def weight(self, cls: int) -> float:
+        """Relative retention of a class (> 0): its reuse rate ** ``power``."""
+        return self.rate(cls) ** self.power
+
+    def stamp(self, key: Hashable) -> tuple[int, float]:
+        """(class, last use time) of a block; unknown blocks look oldest."""
+        m = self._meta.get(key)
+        return (0, float("-inf")) if m is None else (m[0], m[1])
+
+    def value(self, key: Hashable) -> float:
+        """Higher = more worth keeping now: weight / age (age floored at 1 ms)."""
+        cls, t = self.stamp(key)
+        return self.weight(cls) / max(self.now - t, 1e-3)
+
+    def stats(self) -> dict:
+        return {"class_rates": [round(self.rate(c), 3) for c in range(len(self._requests))],
+                "class_requests": list(self._requests)}
+
+
 @dataclass(frozen=True, slots=True)
 class RegimeConfig:
     """``thresholds`` (t1, t2, t3) in tokens, or ``mode="auto"`` to derive them."""
@@ -97,6 +193,7 @@ class RegimeConfig:
     reuse_min_count: int = 2                  # WATCH: write back only blocks seen this often
     nvme_min_count: int = 2                   # SPILL: frequency filter on NVMe / Redis writes
     filter_width: int = 1 << 16
+    class_weight_power: float = 2.0           # ClassedLRU retention ~ class reuse rate ** this
     initial: Regime = Regime.HBM_ONLY
     tier_roles: Mapping[str, str] = field(default_factory=lambda: {
         "hbm": "hbm", "dram": "dram", "nvme": "l3", "redis": "l3"})
@@ -153,6 +250,10 @@ class RegimePlacement:
                                                         tokens_per_key=config.tokens_per_key),
                                        clock=clock)
         self._freq = FrequencyFilter(width=config.filter_width)
+        self._model = ReuseModel(power=config.class_weight_power)
+        self._orders: dict[int, ClassedLRU] = {}
+        self._caps = {i: (capacities or {}).get(t, 0) // config.tokens_per_key
+                      for i, t in enumerate(self.tiers)} if capacities else {}
         self.regime = config.initial
         self._timeline: list[dict] = []
         self._counts = {"writebacks": 0, "dropped": 0, "spills": 0, "spill_filtered": 0,
@@ -164,6 +265,7 @@ class RegimePlacement:
     def on_request(self, keys: Sequence[Hashable], now: float | None = None) -> None:
         now = self._clock() if now is None else now
         self._ws.observe(keys, now)
+        self._model.observe(keys, now)
         for k in keys:
             self._freq.add(k)
         self._last_ws = ws = self._ws.tokens(now)
@@ -203,11 +305,46 @@ class RegimePlacement:
         lower = [i for i in self._l3 if i > from_tier]
         if not lower:
             return self._drop()
-        if self._freq.estimate(key) < self.config.nvme_min_count:
+        if not self._admit_below(key, lower[0]):
             self._counts["spill_filtered"] += 1
             return self._drop()
         self._counts["spills"] += 1
         return lower[0]
+
+    def _admit_below(self, key: Hashable, tier: int) -> bool:
+        """The NVMe / Redis write filter (spares SSD wear and slow-tier room).
+
+        A block seen ``nvme_min_count`` times passes. Otherwise, when the
+        target tier is ordered by this policy (``make_order``), TinyLFU's
+        rule with the reuse model as the frequency: it passes if the tier has
+        room or the block is worth more than the one it would displace. With
+        a foreign order there is no victim to compare with and it is dropped.
+        Rejected: the count filter alone - on conversation traffic a block's
+        first reuse is the one that matters (the next turn), so it dropped
+        the blocks worth keeping and lost to plain LRU.
+        """
+        if self._freq.estimate(key) >= self.config.nvme_min_count:
+            return True
+        order = self._orders.get(tier)
+        if order is None:
+            return False
+        cap = self._caps.get(tier)
+        if cap is not None and len(order) < cap:
+            return True
+        victim = order.peek()
+        return victim is None or self._model.value(key) >= self._model.value(victim)
+
+    def make_order(self, tier: str) -> ClassedLRU:
+        """The eviction order for one of this policy's tiers below HBM: a
+        :class:`ClassedLRU` over the policy's reuse model (HBM is the
+        engine's own LRU). The store / simulator builds each lower tier's
+        order with this, so the tier keeps what the model values."""
+        if tier not in self.tiers:
+            raise ConfigError(f"tier {tier!r} is not one of {self.tiers}")
+        m = self._model
+        order = ClassedLRU(m.stamp, m.weight, lambda: m.now)
+        self._orders[self.tiers.index(tier)] = order
+        return order
 
     def _drop(self) -> None:
         self._counts["dropped"] += 1
@@ -229,4 +366,4 @@ class RegimePlacement:
     def stats(self) -> dict:
         return {"regime": self.regime.name, "working_set_tokens": self._last_ws,
                 "thresholds": list(self.thresholds), "mode": self.config.mode,
-                "timeline": list(self._timeline), **self._counts}
+                "timeline": list(self._timeline), **self._counts, **self._model.stats()}

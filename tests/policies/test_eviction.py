@@ -4,9 +4,26 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.policies.base import EvictionPolicy
-from kvstore.policies.eviction import LRU, S3FIFO, make_eviction
+from kvstore.policies.eviction import LRU, S3FIFO, ClassedLRU, make_eviction
 
-ALL = [LRU, S3FIFO]
+
+class Clock:
+    """Stamps for ClassedLRU: one class, time = order of last insert/touch."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def stamp(self, key):
+        self.t += 1.0
+        return 0, self.t
+
+
+def classed_lru():
+    c = Clock()
+    return ClassedLRU(c.stamp, lambda cls: 1.0, lambda: c.t + 1)
+
+
+ALL = [LRU, S3FIFO, classed_lru]
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -87,3 +104,30 @@ def test_make_eviction():
     assert isinstance(make_eviction("s3fifo"), S3FIFO)
     with pytest.raises(ConfigError):
         make_eviction("fifo2")
+
+
+def test_classed_lru_with_one_class_is_lru():
+    p = classed_lru()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")
+    assert p.peek() == "b" and len(p) == 4       # peek changes nothing
+    assert p.evict(2, ()) == ["b", "c"]
+    assert p.evict(2, ()) == ["d", "a"]
+
+
+def test_classed_lru_keeps_a_heavier_class_longer():
+    """Class 1 weighs 3x: its keys leave only once 3x older than class 0's."""
+    now = [0.0]
+    cls_of = {}
+    p = ClassedLRU(lambda k: (cls_of[k], now[0]), lambda c: (1.0, 3.0)[c], lambda: now[0])
+    for i in range(10):
+        now[0] = float(i)
+        cls_of[i] = i % 2
+        p.insert(i)
+    now[0] = 10.0
+    victims = p.evict(5, ())
+    # weighted ages: class 0 keys 0,2,4,6,8 -> 10,8,6,4,2; class 1 keys 1,3,5 -> 3,7/3,5/3
+    assert victims == [0, 2, 4, 6, 1]
+    assert p.evict(1, {3}) == [8]                # protected 3 (7/3) is skipped, never a victim
+    assert p.peek() == 3

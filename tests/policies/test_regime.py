@@ -4,7 +4,8 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.policies.base import PlacementPolicy
-from kvstore.policies.regime import (FrequencyFilter, Regime, RegimeConfig, RegimePlacement,
+from kvstore.policies.eviction import ClassedLRU
+from kvstore.policies.regime import (FrequencyFilter, Regime, RegimeConfig, RegimePlacement, ReuseModel,
                                      auto_thresholds)
 
 TIERS = ["hbm", "dram", "nvme", "redis"]
@@ -94,3 +95,72 @@ def test_frequency_filter_counts_and_ages():
     for i in range(95):
         f.add(i)                                     # 100th add halves everything
     assert f.estimate("a") <= 3
+
+
+def test_reuse_model_learns_which_requests_get_extended():
+    """Requests extended by a later one raise their class's rate; stamps follow."""
+    m = ReuseModel()
+    for i in range(20):                       # 20 one-turn short chats, never extended
+        m.observe([0, 1000 + i, 2000 + i], float(i))
+    assert m.rate(0) == pytest.approx(1 / 22)
+    for i in range(10):                       # 10 chats whose first turn is extended
+        a, b = 3000 + i, 4000 + i
+        m.observe([0, a, b], 100.0 + i)
+        m.observe([0, a, b, 5000 + i], 200.0 + i)
+    assert m.rate(0) == pytest.approx(11 / 32)        # 10 of 30 first turns extended
+    assert m.stamp(4003) == (2, 203.0)                # depth-1 short request, last use
+    assert m.stamp("never") == (0, float("-inf"))
+    assert m.value(4003) > m.value(2003)              # newer and better class
+    assert m.stats()["class_requests"][2] == 10
+
+
+def test_spill_filter_compares_with_the_nvme_victim():
+    """TinyLFU's rule with the reuse model: room -> spill; full -> spill only
+    when worth more than the block it displaces."""
+    cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0)
+    p = RegimePlacement(TIERS[:3], cfg, capacities={"hbm": 1, "dram": 1, "nvme": 2},
+                        clock=lambda: 0.0)
+    nvme = p.make_order("nvme")
+    assert isinstance(nvme, ClassedLRU) and p.stats()["class_rates"]
+    p.on_request([10, 11, 12, 13], 0.0)
+    assert p.regime is Regime.SPILL
+    assert p.on_evict(11, 1) == 2                    # nvme has room
+    nvme.insert(11)
+    nvme.insert(12)
+    p.on_request([20, 21], 50.0)
+    assert p.on_evict(21, 1) == 2                    # newer than nvme's victim (11)
+    p.on_request([30, 31], 60.0)
+    p.on_request([40, 41], 70.0)
+    stale = p.on_evict(999, 1)                       # unknown block: worth nothing
+    assert stale is None and p.stats()["spill_filtered"] == 1
+    with pytest.raises(ConfigError):
+        p.make_order("redis")
+
+
+def _model_ordered_decisions(reqs):
+    from kvstore.bench.simulate import SimTier, Simulator
+    from kvstore.policies.eviction import LRU
+    caps = {"hbm": 8, "dram": 16, "nvme": 32}
+    cfg = RegimeConfig(thresholds=(4, 8, 16), tokens_per_key=1, window_s=1000)
+    p = RegimePlacement(list(caps), cfg, capacities=caps, clock=lambda: 0.0)
+    sim = Simulator([SimTier(n, c, LRU() if n == "hbm" else p.make_order(n))
+                     for n, c in caps.items()], p, record_events=True)
+    return [(tuple(r.hit_tiers), tuple(r.events))
+            for r in (sim.step(keys, float(t)) for t, keys in enumerate(reqs))]
+
+
+def test_model_ordered_tiers_see_only_the_past():
+    """The reuse model and its orders decide from calls so far: replacing the
+    future with random requests leaves every earlier decision unchanged."""
+    import random
+    rng = random.Random(5)
+    chats = [[0, 100 * c + 1] for c in range(12)]
+    reqs = []
+    for _ in range(120):
+        chat = rng.choice(chats)
+        chat.append(chat[-1] + 1 if len(chat) < 90 else chat[-1])
+        reqs.append(list(chat))
+    fake = [[rng.randrange(10**6, 10**7) for _ in r] for r in reqs[60:]]
+    a, b = _model_ordered_decisions(reqs), _model_ordered_decisions(reqs[:60] + fake)
+    assert a[:60] == b[:60] and a[60:] != b[60:]
+    assert any(t > 0 for hits, _ in a for t in hits)          # lower tiers really served hits
