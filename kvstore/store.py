@@ -56,7 +56,10 @@ class TieredStore:
         self.tiers = list(tiers)
         self.names = names
         self.placement = placement or Cascade(names)  # put high, demote on eviction, promote on hit
-        self._order = [eviction() for _ in tiers]
+        # a placement that models reuse may order the tiers below the first one itself
+        make_order = getattr(self.placement, "make_order", None)
+        self._order = [make_order(n) if make_order and i > 0 else eviction()
+                       for i, n in enumerate(names)]
         self.leases = Leases(clock)
         self.clock = clock
         self.stats = StoreStats()

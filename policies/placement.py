@@ -67,3 +67,19 @@ class Cascade(_Base):
 
     def on_evict(self, key: Hashable, from_tier: int) -> int | None:
         return from_tier + 1 if from_tier + 1 < len(self.tiers) else None
+
+
+class WriteThrough(Cascade):
+    """Cascade that also writes every new block to one persistent tier at
+    once, so a crash (not only a graceful close) loses no stored block."""
+
+    name = "write-through"
+
+    def __init__(self, tiers: Sequence[str], persistent_tier: int) -> None:
+        super().__init__(tiers)
+        if not 0 < persistent_tier < len(self.tiers):
+            raise ConfigError("write-through needs a persistent tier below the first")
+        self._persistent = persistent_tier
+
+    def put_targets(self, key: Hashable) -> list[int]:
+        return [0, self._persistent]

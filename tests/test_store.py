@@ -205,3 +205,23 @@ def test_sync_put_async_returns_a_future():
         fut = kv.put_async(ID, KEYS[:3], [block(i) for i in range(3)])
         assert fut.result(timeout=5) == [PutOutcome.STORED] * 3
         assert kv.lookup(KEYS[:3]).prefix_blocks == 3
+
+
+def test_regime_placement_orders_the_lower_tiers(run):
+    from kvstore.policies.eviction import ClassedLRU
+    from kvstore.policies.regime import RegimePlacement
+
+    s = TieredStore([dram(4, "hbm"), dram(16)], placement=RegimePlacement(["hbm", "dram"]))
+    assert isinstance(s._order[1], ClassedLRU) and not isinstance(s._order[0], ClassedLRU)
+    assert run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)])) == [PutOutcome.STORED] * 3
+    assert run(s.alookup(KEYS[:3])).prefix_blocks == 3
+
+
+def test_write_through_reaches_the_persistent_tier_at_once(run):
+    from kvstore.policies.placement import WriteThrough
+
+    slow = MemoryTier(1 << 20, "slow")
+    s = TieredStore([dram(8), slow], placement=WriteThrough(["dram", "slow"], 1))
+    run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)]))
+    assert run(slow.contains_many(KEYS[:3])) == [True] * 3
+    assert run(s.alookup(KEYS[:3])).tiers == ["dram"] * 3
