@@ -210,7 +210,9 @@ class UnavailableStore:
 
 def process_local_tiers(config: StoreConfig) -> list[str]:
     """Tiers whose contents another process cannot see (HBM, DRAM; NVMe is
-    locked to one process at a time)."""
+    locked to one process at a time). A daemon-backed store has none."""
+    if config.daemon_url:
+        return []
     return [name for name, on in (("hbm", config.hbm_bytes), ("dram", config.dram_bytes),
                                   ("nvme", config.nvme_bytes)) if on]
 

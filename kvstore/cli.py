@@ -139,6 +139,9 @@ def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url,
 
 
 from kvstore import cli_bench  # noqa: E402,F401 - registers `bench replay` and `bench sweep`
+from kvstore.daemon_cli import serve_command  # noqa: E402
+
+main.add_command(serve_command, "serve")
 
 if __name__ == "__main__":
     main()

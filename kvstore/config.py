@@ -35,6 +35,10 @@ class StoreConfig:
     redis_compression: str = "none"     # none | lz4
     policy: str = "default"             # default | regime
     max_prefetch: int = 4
+    daemon_url: str | None = None       # unix:///run/kvstore.sock | tcp://127.0.0.1:7070: a RemoteStore;
+    daemon_token: str | None = None     # the tiers above are then the daemon's business, not this process's
+    daemon_shm: bool = True             # bulk bytes through shared memory when the daemon is on this host
+    daemon_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -51,6 +55,13 @@ class StoreConfig:
             raise ConfigError(f"policy must be default or regime, got {self.policy!r}")
         if not (self.hbm_bytes or self.dram_bytes or self.nvme_bytes or self.redis_url):
             raise ConfigError("configure at least one tier (hbm_bytes, dram_bytes, nvme_bytes or redis_url)")
+        if self.daemon_url is not None:
+            from kvstore.protocol import parse_url  # noqa: PLC0415 - validates the scheme
+            parse_url(self.daemon_url)
+        if self.daemon_token is not None and not isinstance(self.daemon_token, str):
+            raise ConfigError("daemon_token must be a string")
+        if not isinstance(self.daemon_timeout_s, (int, float)) or not self.daemon_timeout_s > 0:
+            raise ConfigError(f"daemon_timeout_s must be a positive number, got {self.daemon_timeout_s!r}")
         if not isinstance(self.max_prefetch, int) or self.max_prefetch < 1:
             raise ConfigError(f"max_prefetch must be a positive int, got {self.max_prefetch!r}")
 

@@ -47,5 +47,11 @@ async def build_store(cfg: StoreConfig) -> TieredStore:
 
 
 def open_store(cfg: StoreConfig) -> KVStore:
-    """A blocking store on its own event-loop thread (close it, or use `with`)."""
+    """A blocking store on its own event-loop thread (close it, or use `with`).
+
+    With ``daemon_url`` set, a :class:`kvstore.remote.RemoteStore` with the
+    same API: the tiers live in the ``kvstore serve`` daemon."""
+    if cfg.daemon_url:
+        from kvstore.remote import RemoteStore  # noqa: PLC0415
+        return RemoteStore.from_store_config(cfg)  # type: ignore[return-value]
     return KVStore(lambda: build_store(cfg))

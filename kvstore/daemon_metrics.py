@@ -1,0 +1,115 @@
+"""The daemon's ``/metrics`` (Prometheus text format 0.0.4) and ``/health``.
+
+A tiny HTTP/1.0 responder on asyncio streams: a scrape is a few KB every few
+seconds, so stream copies do not matter here (they do on the data path).
+Rejected: prometheus_client (a dependency and a registry for ~15 series
+that are already counters on the store and the tenants).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from kvstore.outcomes import MissReason
+
+if TYPE_CHECKING:
+    from kvstore.daemon import Daemon
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_metrics(daemon: Daemon) -> str:
+    """Prometheus exposition of the store's and the tenants' counters."""
+    snap = daemon.store.snapshot()
+    out: list[str] = []
+
+    def family(name: str, kind: str, help_: str, rows: list[tuple[dict[str, str], float]]) -> None:
+        out.append(f"# HELP kvstore_{name} {help_}")
+        out.append(f"# TYPE kvstore_{name} {kind}")
+        for labels, value in rows:
+            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+            out.append(f"kvstore_{name}{{{lab}}} {value}" if lab else f"kvstore_{name} {value}")
+
+    tiers = snap["tiers"]
+    tenants = daemon.tenants.by_name.values()
+    family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
+    family("misses_total", "counter", "Blocks missed by get, by reason.",
+           [({"reason": r.value}, snap["misses"][r.value]) for r in MissReason])
+    family("lookup_misses_total", "counter", "Why each lookup's stored prefix ended.",
+           [({"reason": r.value}, snap["lookup_misses"][r.value]) for r in MissReason])
+    for key, kind, help_ in (("hits", "counter", "Hits served by the tier."),
+                             ("puts", "counter", "Blocks stored in the tier."),
+                             ("evictions", "counter", "Blocks evicted from the tier."),
+                             ("bytes_read", "counter", "Payload bytes read from the tier."),
+                             ("bytes_written", "counter", "Payload bytes written to the tier."),
+                             ("used_bytes", "gauge", "Bytes the tier holds."),
+                             ("capacity_bytes", "gauge", "The tier's capacity.")):
+        name = f"tier_{key}" + ("_total" if kind == "counter" else "")
+        family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
+    family("tenant_hits_total", "counter", "Blocks served per tenant.",
+           [({"tenant": t.name}, t.hits) for t in tenants])
+    family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
+           [({"tenant": t.name, "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
+    family("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).",
+           [({"tenant": t.name}, t.used_bytes) for t in tenants])
+    family("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).",
+           [({"tenant": t.name}, t.quota_bytes) for t in tenants])
+    family("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.",
+           [({"tenant": t.name}, t.no_space) for t in tenants])
+    family("requests_total", "counter", "Requests served, by opcode.",
+           [({"op": op}, n) for op, n in daemon.requests.items()])
+    family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
+           [({}, daemon.errors)])
+    family("connections", "gauge", "Open client connections.", [({}, len(daemon._conns))])
+    family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
+    return "\n".join(out) + "\n"
+
+
+class MetricsServer:
+    """HTTP GET /metrics and /health on ``host:port`` (loop-bound)."""
+
+    def __init__(self, server: asyncio.base_events.Server, daemon: Daemon) -> None:
+        self._server = server
+        self.daemon = daemon
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    @classmethod
+    async def start(cls, host: str, port: int, daemon: Daemon) -> MetricsServer:
+        holder: list[MetricsServer] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await holder[0]._handle(reader, writer)
+
+        server = await asyncio.start_server(handle, host, port)
+        holder.append(cls(server, daemon))
+        return holder[0]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            parts = head.split(b"\r\n", 1)[0].split()
+            path = parts[1].decode("ascii", "replace") if len(parts) >= 2 else ""
+            if path.split("?")[0] == "/metrics":
+                status, body = "200 OK", render_metrics(self.daemon)
+            elif path == "/health":
+                status, body = (("503 Service Unavailable", "draining\n") if self.daemon.draining
+                                else ("200 OK", "ok\n"))
+            else:
+                status, body = "404 Not Found", "not found\n"
+            data = body.encode()
+            writer.write(f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def close(self) -> None:
+        self._server.close()
+        await self._server.wait_closed()

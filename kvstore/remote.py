@@ -1,0 +1,382 @@
+"""RemoteStore: the daemon's client, with the same blocking API as
+:class:`kvstore.sync.KVStore`, so a connector runs in-process or against
+``kvstore serve`` by configuration alone (``StoreConfig(daemon_url=...)``).
+
+Threading: thread-safe. Each call borrows a connection from a small pool
+(opening one if none is idle), so calls from several threads run in
+parallel on separate connections; ``put_async`` and ``prefetch`` run on a
+private thread pool. Blocking sockets, not asyncio: on this machine a
+blocking ``recv_into`` reaches 1.4-3.6 GB/s against 0.36 for asyncio streams,
+and an engine worker thread has no loop to offer anyway.
+
+Bulk bytes: a PUT sends the caller's blocks as memoryviews with one
+``sendmsg`` (no join); a GET receives each hit straight into its destination
+with ``recv_into``. Over a Unix socket (``shm=True``) the bytes go through a
+shared-memory segment instead: one memcpy here, one in the daemon.
+
+Errors: the daemon unreachable (down, restarting, a dead connection, a
+timeout) raises :class:`TierUnavailable`, which the connectors' StoreGuard
+turns into misses; the next call connects again, so the client recovers by
+itself when the daemon returns. A refused token raises :class:`AuthFailed`.
+Bad input raises the same typed errors as the in-process store.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import json
+import mmap
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, InvalidBlock, KVStoreError, TierUnavailable
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.protocol import (
+    HEADER_SIZE,
+    STATUS_ERROR,
+    AuthFailed,
+    Op,
+    ProtocolError,
+    frame,
+    parse_url,
+    raise_error,
+    unpack_header,
+    unpack_meta,
+)
+from kvstore.record import BlockSpec
+from kvstore.store import LookupResult
+from kvstore.tiers.base import check_batch
+
+T = TypeVar("T")
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    url: str
+    token: str | None = None
+    timeout_s: float = 30.0
+    shm: bool = True                     # shared memory for bulk bytes over a Unix socket
+    max_batch_bytes: int = 64 << 20      # larger batches go as several requests
+    max_idle: int = 8                    # pooled idle connections
+    workers: int = 4                     # threads for put_async / prefetch
+    socket_buffer_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        parse_url(self.url)
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ConfigError("timeout_s must be positive")
+        for name in ("max_batch_bytes", "max_idle", "workers", "socket_buffer_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive int")
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_bytes(identity: CacheIdentity) -> bytes:
+    return json.dumps(identity.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+
+class _Connection:
+    """One authenticated socket; used by one thread at a time."""
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        kind, addr = parse_url(cfg.url)
+        family = socket.AF_UNIX if kind == "unix" else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.cfg = cfg
+        self._req = 0
+        self._header = bytearray(HEADER_SIZE)
+        self.shm: np.ndarray | None = None
+        self._shm_map: mmap.mmap | None = None
+        try:
+            self.sock.settimeout(cfg.timeout_s)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    self.sock.setsockopt(socket.SOL_SOCKET, opt, cfg.socket_buffer_bytes)
+            if family == socket.AF_INET:
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.connect(addr)
+            hello = self.call(Op.HELLO, {"token": cfg.token})
+        except BaseException:
+            self.close()
+            raise
+        self.tenant: str = hello.get("tenant", "")
+        self.shm_ok = bool(cfg.shm and hello.get("shm"))
+
+    def call(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
+             on_payload: Callable[[dict, int], None] | None = None) -> dict[str, Any]:
+        """Send one request, wait for its reply; ``on_payload(meta, n)`` must
+        consume the reply's ``n`` payload bytes from ``self.sock``."""
+        self._req += 1
+        total = sum(v.nbytes for v in payload)
+        _sendmsg_all(self.sock, [memoryview(frame(op, self._req, meta, total)), *payload])
+        _recv_exact(self.sock, memoryview(self._header))
+        r_op, status, r_id, meta_len, payload_len = unpack_header(self._header)
+        if r_id != self._req and status != STATUS_ERROR:
+            raise ProtocolError(f"reply {r_id} to request {self._req}")
+        body = bytearray(meta_len)
+        _recv_exact(self.sock, memoryview(body))
+        reply = unpack_meta(body) if meta_len else {}
+        if status == STATUS_ERROR:
+            raise_error(reply)
+        if payload_len:
+            if on_payload is None:
+                raise ProtocolError(f"unexpected {payload_len}-byte payload in a {Op(r_op).name} reply")
+            on_payload(reply, payload_len)
+        return reply
+
+    def shared(self, nbytes: int) -> np.ndarray:
+        """A shared segment of at least ``nbytes``, attached to the daemon."""
+        if self.shm is not None and self.shm.nbytes >= nbytes:
+            return self.shm
+        size = max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0), 8 << 20)
+        name = "kvstore-shm-" + secrets.token_hex(16)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+            self.call(Op.SHM_ATTACH, {"name": name, "size": size})
+        finally:
+            os.close(fd)
+            os.unlink(path)  # the daemon has it mapped (or failed): no name left behind
+        self._drop_shm()
+        self._shm_map, self.shm = mapped, np.frombuffer(mapped, dtype=np.uint8)
+        return self.shm
+
+    def _drop_shm(self) -> None:
+        if self._shm_map is not None:
+            self.shm = None
+            with contextlib.suppress(BufferError):
+                self._shm_map.close()
+            self._shm_map = None
+
+    def close(self) -> None:
+        self._drop_shm()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every view, in order, without joining them."""
+    while views:
+        sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"daemon closed the connection after {got} of {view.nbytes} bytes")
+        got += n
+
+
+class RemoteStore:
+    """The store API against a daemon. Close it, or use ``with``."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
+        self._closed = False
+
+    @classmethod
+    def from_store_config(cls, cfg: StoreConfig) -> RemoteStore:
+        if not cfg.daemon_url:
+            raise ConfigError("StoreConfig has no daemon_url")
+        return cls(RemoteConfig(url=cfg.daemon_url, token=cfg.daemon_token, timeout_s=cfg.daemon_timeout_s,
+                                shm=cfg.daemon_shm))
+
+    # -- connections ------------------------------------------------------------
+    def _acquire(self) -> tuple[_Connection, bool]:
+        if self._closed:
+            raise KVStoreError("the remote store is closed")
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        try:
+            return _Connection(self.config), False
+        except OSError as exc:
+            raise TierUnavailable(f"kvstore daemon at {self.config.url} unreachable: {exc}") from exc
+
+    def _release(self, conn: _Connection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.config.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def _with_conn(self, fn: Callable[[_Connection], T]) -> T:
+        """Run ``fn`` on a pooled connection. A dead pooled connection (the
+        daemon restarted) is retried once on a fresh one: every request is
+        idempotent. Anything else unreachable becomes TierUnavailable."""
+        for attempt in (0, 1):
+            conn, reused = self._acquire()
+            try:
+                result = fn(conn)
+            except (AuthFailed, ProtocolError):
+                conn.close()
+                raise
+            except KVStoreError:
+                self._release(conn)  # the daemon answered: the connection is fine
+                raise
+            except OSError as exc:  # ConnectionError, socket.timeout, ...
+                conn.close()
+                self._drop_idle()
+                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                    continue
+                raise TierUnavailable(f"kvstore daemon at {self.config.url}: {exc}") from exc
+            except BaseException:
+                conn.close()  # e.g. KeyboardInterrupt mid-frame: the stream state is unknown
+                raise
+            self._release(conn)
+            return result
+        raise AssertionError("unreachable")
+
+    def _chunks(self, n: int, nbytes: int) -> list[range]:
+        per = max(1, self.config.max_batch_bytes // max(nbytes, 1))
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    # -- the store API --------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        keys = [check_key(k) for k in keys]
+        r = self._with_conn(lambda c: c.call(Op.LOOKUP, {"keys": keys}))
+        return LookupResult(r["prefix"], r["tiers"], [None if x is None else MissReason(x) for x in r["reasons"]])
+
+    def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+            blocks: Sequence[object]) -> list[PutOutcome]:
+        """Store sealed blocks (idempotent); blocks may be reused on return."""
+        spec = BlockSpec.of(identity)
+        keys, views = check_batch(spec, keys, blocks, writable=False)
+        ident = _identity_bytes(identity)
+        out: list[PutOutcome] = []
+        for part in self._chunks(len(keys), spec.nbytes):
+            ks, vs = [keys[i] for i in part], [views[i] for i in part]
+            r = self._with_conn(lambda c, ks=ks, vs=vs: self._put_on(c, ident, ks, vs, spec.nbytes))
+            out.extend(PutOutcome(o) for o in r["outcomes"])
+        return out
+
+    def _put_on(self, conn: _Connection, ident: bytes, keys: list, views: list, nbytes: int) -> dict:
+        meta = {"identity": ident, "keys": keys}
+        if conn.shm_ok:
+            shm = conn.shared(len(views) * nbytes)
+            for i, v in enumerate(views):
+                shm[i * nbytes:(i + 1) * nbytes] = np.frombuffer(v, dtype=np.uint8)
+            return conn.call(Op.PUT, {**meta, "shm": True})
+        return conn.call(Op.PUT, meta, views)
+
+    def put_async(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  blocks: Sequence[object]) -> concurrent.futures.Future:
+        """Like ``put`` without waiting; leave ``blocks`` unchanged until done."""
+        return self._pool.submit(self.put, identity, keys, blocks)
+
+    def get_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                 dsts: Sequence[object]) -> list[MissReason | None]:
+        """Fill each destination; None per hit, else the miss reason."""
+        spec = BlockSpec.of(identity)
+        keys, views = check_batch(spec, keys, dsts, writable=True)
+        ident = _identity_bytes(identity)
+        out: list[MissReason | None] = []
+        for part in self._chunks(len(keys), spec.nbytes):
+            ks, vs = [keys[i] for i in part], [views[i] for i in part]
+            r = self._with_conn(lambda c, ks=ks, vs=vs: self._get_on(c, ident, ks, vs, spec.nbytes))
+            out.extend(None if x is None else MissReason(x) for x in r["reasons"])
+        return out
+
+    def _get_on(self, conn: _Connection, ident: bytes, keys: list, views: list, nbytes: int) -> dict:
+        meta = {"identity": ident, "keys": keys}
+        if conn.shm_ok:
+            shm = conn.shared(len(views) * nbytes)
+            r = conn.call(Op.GET, {**meta, "shm": True})
+            for i, (v, reason) in enumerate(zip(views, r["reasons"])):
+                if reason is None:
+                    np.frombuffer(v, dtype=np.uint8)[:] = shm[i * nbytes:(i + 1) * nbytes]
+            return r
+
+        def receive(reply: dict, n: int) -> None:
+            hits = [v for v, reason in zip(views, reply.get("reasons", ())) if reason is None]
+            if n != len(hits) * nbytes:
+                raise ProtocolError(f"GET reply carries {n} bytes for {len(hits)} hits")
+            for v in hits:  # straight into the caller's buffer
+                _recv_exact(conn.sock, v)
+
+        return conn.call(Op.GET, meta, on_payload=receive)
+
+    def get(self, identity: CacheIdentity, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
+        dsts = [np.empty(identity.layout.block_bytes, dtype=np.uint8) for _ in keys]
+        res = self.get_into(identity, keys, dsts)
+        return [d if r is None else None for d, r in zip(dsts, res)]
+
+    def prefetch(self, keys: Sequence[BlockKey], to: str | int = 0) -> concurrent.futures.Future:
+        """A Future of the number of blocks moved. ``cancel()`` works until the
+        request is sent; after that the daemon finishes the (bounded) prefetch."""
+        keys = [check_key(k) for k in keys]
+        return self._pool.submit(lambda: self._with_conn(
+            lambda c: c.call(Op.PREFETCH, {"keys": keys, "to": to}))["moved"])
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
+        keys = [check_key(k) for k in keys]
+        self._with_conn(lambda c: c.call(Op.PIN, {"keys": keys, "ttl_s": float(ttl_s)}))
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        keys = [check_key(k) for k in keys]
+        self._with_conn(lambda c: c.call(Op.UNPIN, {"keys": keys}))
+
+    def invalidate(self, identity: CacheIdentity | bytes) -> int:
+        """Drop a namespace. Only by identity: the daemon salts namespaces per
+        tenant, so a raw 16-byte tag from the client names nothing there."""
+        if not isinstance(identity, CacheIdentity):
+            raise InvalidBlock("a daemon-backed store invalidates by CacheIdentity, not by tag")
+        ident = _identity_bytes(identity)
+        return self._with_conn(lambda c: c.call(Op.INVALIDATE, {"identity": ident}))["dropped"]
+
+    def stats(self) -> dict:
+        return self._with_conn(lambda c: c.call(Op.STATS, {}))
+
+    def ping(self) -> dict:
+        """Health: ``{"ok", "draining", "uptime_s"}``, or TierUnavailable."""
+        return self._with_conn(lambda c: c.call(Op.PING, {}))
+
+    def metrics(self) -> str:
+        """The daemon's Prometheus exposition text."""
+        return self._with_conn(lambda c: c.call(Op.METRICS, {}))["text"]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._pool.shutdown(wait=True)
+        self._closed = True
+        self._drop_idle()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,417 @@
+"""The cache daemon and its client, with real DRAM + NVMe tiers behind a real
+Unix socket. Most tests run the daemon in a thread with its own loop (so the
+test can look at its store); restart and SIGTERM drain run it as a process,
+and cross-process tests run real client processes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.daemon import Daemon
+from kvstore.daemon_config import DaemonConfig, TenantSpec
+from kvstore.errors import ConfigError, InvalidBlock, InvalidKey, TierUnavailable
+from kvstore.factory import open_store
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.protocol import (
+    HEADER_SIZE,
+    STATUS_ERROR,
+    AuthFailed,
+    Op,
+    frame,
+    pack_header,
+    unpack_header,
+)
+from kvstore.remote import RemoteConfig, RemoteStore
+
+pytestmark = pytest.mark.timeout(60)
+
+IDENT = CacheIdentity("daemon-test-model", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64,
+                                                     block_tokens=16, dtype="float16"))
+BB = IDENT.layout.block_bytes
+TOK_A, TOK_B = "token-alpha-0001", "token-bravo-0002"
+QUOTA_BLOCKS = 4
+SERVE = ("import sys; from kvstore.daemon import serve; from kvstore.daemon_config import DaemonConfig; "
+         "serve(DaemonConfig.from_file(sys.argv[1]))")
+
+# a client process: put or verify blocks derived from a seed (no pickling: plain argv)
+CLIENT = """
+import sys, numpy as np
+from kvstore.config import StoreConfig
+from kvstore.factory import open_store
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+url, token, mode, seed, shm = sys.argv[1:6]
+ident = CacheIdentity("daemon-test-model", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64,
+                                                     block_tokens=16, dtype="float16"))
+keys = block_keys(ident, range(int(seed), int(seed) + 16 * 6))
+rng = np.random.default_rng(int(seed))
+blocks = [rng.integers(0, 256, ident.layout.block_bytes, dtype=np.uint8) for _ in keys]
+with open_store(StoreConfig(daemon_url=url, daemon_token=token, daemon_shm=shm == "1")) as s:
+    if mode == "put":
+        print(",".join(o.value for o in s.put(ident, keys, blocks)))
+    else:
+        assert s.lookup(keys).prefix_blocks == len(keys)
+        got = s.get(ident, keys)
+        assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, blocks)), "bytes differ"
+        print("verified", len(keys))
+"""
+
+
+def blocks_for(seed: int, n: int = 6) -> tuple[list, list[np.ndarray]]:
+    keys = block_keys(IDENT, range(seed, seed + 16 * n))
+    rng = np.random.default_rng(seed)
+    return keys, [rng.integers(0, 256, BB, dtype=np.uint8) for _ in keys]
+
+
+def daemon_config(tmp: Path, **kw) -> DaemonConfig:
+    store = StoreConfig(dram_bytes=8 * BB, nvme_path=str(tmp / "nvme"), nvme_bytes=64 << 20,
+                        nvme_segment_bytes=4 << 20)
+    tenants = (TenantSpec("alpha", TOK_A), TenantSpec("bravo", TOK_B, quota_bytes=QUOTA_BLOCKS * BB))
+    return DaemonConfig(store=store, unix_path=str(tmp / "kv.sock"), tenants=tenants, **kw)
+
+
+class ThreadDaemon:
+    """A daemon on its own loop in a thread; the test can inspect ``daemon``."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.daemon: Daemon = self.run(Daemon.start(cfg))
+        self.url = f"unix://{cfg.unix_path}"
+
+    def run(self, coro, timeout: float = 20):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if not self.daemon.draining:
+            self.run(self.daemon.drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def served(tmp_path):
+    d = ThreadDaemon(daemon_config(tmp_path, metrics_port=0))
+    yield d
+    d.stop()
+
+
+def client(url: str, token: str | None = TOK_A, shm: bool = False, **kw) -> RemoteStore:
+    return RemoteStore(RemoteConfig(url, token, shm=shm, **kw))
+
+
+def spawn_daemon(cfg: DaemonConfig, tmp: Path) -> subprocess.Popen:
+    data = {"store": {"dram_bytes": cfg.store.dram_bytes, "nvme_path": cfg.store.nvme_path,
+                      "nvme_bytes": cfg.store.nvme_bytes, "nvme_segment_bytes": cfg.store.nvme_segment_bytes},
+            "unix_path": cfg.unix_path,
+            "tenants": [{"name": t.name, "token": t.token, "quota_bytes": t.quota_bytes} for t in cfg.tenants]}
+    (tmp / "daemon.json").write_text(json.dumps(data))
+    proc = subprocess.Popen([sys.executable, "-P", "-c", SERVE, str(tmp / "daemon.json")],
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        try:
+            with client(f"unix://{cfg.unix_path}") as c:
+                c.ping()
+            return proc
+        except TierUnavailable:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("daemon did not start")
+
+
+def run_client(url: str, token: str, mode: str, seed: int, shm: bool) -> str:
+    out = subprocess.run([sys.executable, "-P", "-c", CLIENT, url, token, mode, str(seed), "1" if shm else "0"],
+                         check=False, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def raw_conn(path: str, token: str | None = TOK_A) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(path)
+    if token is not None:
+        s.sendall(frame(Op.HELLO, 1, {"token": token}))
+        assert read_reply(s)[1] == 0
+    return s
+
+
+def read_reply(s: socket.socket) -> tuple[int, int, dict]:
+    head = b""
+    while len(head) < HEADER_SIZE:
+        chunk = s.recv(HEADER_SIZE - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    op, status, _rid, mlen, plen = unpack_header(head)
+    body = b""
+    while len(body) < mlen + plen:
+        body += s.recv(mlen + plen - len(body))
+    return op, status, msgpack.unpackb(body[:mlen]) if mlen else {}
+
+
+def assert_closed(s: socket.socket) -> None:
+    assert s.recv(1) == b""
+
+
+# -- data path ------------------------------------------------------------------------
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_round_trip_byte_exact_across_processes(served, shm):
+    """One process puts, another (a separate Python process) looks up and
+    gets byte-exact; this process sees the same blocks too."""
+    seed = 1000 + shm
+    outcomes = run_client(served.url, TOK_A, "put", seed, shm)
+    assert outcomes.split(",") == ["stored"] * 6
+    assert run_client(served.url, TOK_A, "get", seed, shm) == "verified 6"
+    keys, blocks = blocks_for(seed)
+    with client(served.url, shm=shm) as c:
+        got = c.get(IDENT, keys)
+        assert all(np.array_equal(g, b) for g, b in zip(got, blocks))
+        # a second writer of the same content is idempotent
+        assert set(c.put(IDENT, keys, blocks)) <= {PutOutcome.EXISTS, PutOutcome.STORED}
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_get_misses_leave_destinations_alone_and_report_reasons(served, shm):
+    keys, blocks = blocks_for(7)
+    with client(served.url, shm=shm) as c:
+        assert c.put(IDENT, keys[:3], blocks[:3]) == [PutOutcome.STORED] * 3
+        dsts = [np.full(BB, 7, np.uint8) for _ in keys]
+        res = c.get_into(IDENT, keys, dsts)
+        assert res == [None] * 3 + [MissReason.NEVER_STORED] * 3
+        assert all(np.array_equal(d, b) for d, b in zip(dsts[:3], blocks[:3]))
+        assert all((d == 7).all() for d in dsts[3:])
+        look = c.lookup(keys)
+        assert look.prefix_blocks == 3 and look.reasons[3] is MissReason.NEVER_STORED
+        with pytest.raises(InvalidBlock):
+            c.put(IDENT, keys[:1], [np.zeros(BB - 1, np.uint8)])
+        with pytest.raises(InvalidKey):
+            c.lookup([b"short"])
+        assert c.ping()["ok"]  # the connection survived the bad input
+
+
+def test_store_api_through_open_store(served, tmp_path):
+    keys, blocks = blocks_for(11)
+    cfg = StoreConfig(daemon_url=served.url, daemon_token=TOK_A)
+    with open_store(cfg) as s:
+        assert isinstance(s, RemoteStore)
+        assert s.put_async(IDENT, keys, blocks).result(10) == [PutOutcome.STORED] * 6
+        s.pin(keys[:2], 30.0)
+        assert served.daemon.store.leases.is_pinned(served.daemon.tenants.by_name["alpha"].server_key(keys[0]))
+        s.unpin(keys[:2])
+        assert s.prefetch(keys, to="dram").result(10) >= 0
+        st = s.stats()
+        assert st["tenant"]["name"] == "alpha" and "tiers" in st
+        assert s.invalidate(IDENT) >= 6
+        assert s.lookup(keys).reasons[0] is MissReason.INVALIDATED
+        with pytest.raises(InvalidBlock):
+            s.invalidate(IDENT.namespace_tag)
+    with pytest.raises(ConfigError):
+        StoreConfig(daemon_url="http://nope")
+
+
+# -- tenancy ----------------------------------------------------------------------------
+def test_tenants_cannot_read_or_probe_each_other(served):
+    keys, blocks = blocks_for(21)
+    with client(served.url, TOK_A) as a, client(served.url, TOK_B) as b:
+        assert a.put(IDENT, keys[:3], blocks[:3]) == [PutOutcome.STORED] * 3
+        # same identity, same token ids, same client keys: nothing to see
+        assert b.lookup(keys[:3]).prefix_blocks == 0
+        assert b.get(IDENT, keys[:3]) == [None] * 3
+        # even claiming alpha's salt changes nothing: the daemon decides the namespace
+        assert b.lookup(keys[:3]).prefix_blocks == 0
+        assert b.get(IDENT.replace(cache_salt="tenant:alpha/"), keys[:1]) == [None]
+        other = [np.full(BB, 9, np.uint8) for _ in range(3)]
+        assert b.put(IDENT, keys[:3], other) == [PutOutcome.STORED] * 3  # its own copy, not EXISTS
+        assert all(np.array_equal(g, x) for g, x in zip(a.get(IDENT, keys[:3]), blocks[:3]))
+        assert all((g == 9).all() for g in b.get(IDENT, keys[:3]))
+        assert b.invalidate(IDENT) == 3  # drops only its own namespace
+        assert a.lookup(keys[:3]).prefix_blocks == 3
+        assert "alpha" not in json.dumps(b.stats())
+
+
+def test_unauthenticated_clients_are_refused(served):
+    with pytest.raises(AuthFailed):
+        client(served.url, "wrong-token-123").lookup([])
+    with pytest.raises(AuthFailed):
+        client(served.url, None).lookup([])
+    s = raw_conn(served.daemon.config.unix_path, token=None)
+    s.sendall(frame(Op.LOOKUP, 5, {"keys": []}))
+    _, status, meta = read_reply(s)
+    assert status == STATUS_ERROR and meta["error"] == "AuthFailed"
+    assert_closed(s)
+
+
+def test_quota_answers_no_space(served):
+    keys, blocks = blocks_for(31)
+    with client(served.url, TOK_B) as b, client(served.url, TOK_A) as a:
+        res = b.put(IDENT, keys, blocks)
+        assert res == [PutOutcome.STORED] * QUOTA_BLOCKS + [PutOutcome.NO_SPACE] * 2
+        assert PutOutcome.NO_SPACE not in b.put(IDENT, keys[:2], blocks[:2])  # held blocks are free
+        assert a.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 6        # alpha has no quota
+        assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
+        b.invalidate(IDENT)                                                  # frees bravo's share
+        assert b.put(IDENT, keys[4:], blocks[4:]) == [PutOutcome.STORED] * 2
+
+
+# -- health, metrics ------------------------------------------------------------------------
+def test_metrics_and_health(served):
+    keys, blocks = blocks_for(41)
+    with client(served.url, TOK_A) as a, client(served.url, TOK_B) as b:
+        a.put(IDENT, keys[:2], blocks[:2])
+        a.get(IDENT, keys)
+        b.get(IDENT, keys[:1])
+        text = a.metrics()
+    port = served.daemon.metrics.port
+    http = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for t in (text, http):
+        assert 'kvstore_tenant_hits_total{tenant="alpha"} 2' in t
+        assert 'kvstore_tenant_misses_total{tenant="alpha",reason="never_stored"} 4' in t
+        assert 'kvstore_tenant_misses_total{tenant="bravo",reason="never_stored"} 1' in t
+        assert 'kvstore_misses_total{reason="never_stored"} 5' in t
+        assert 'kvstore_tier_used_bytes{tier="dram"}' in t and "kvstore_hits_total 2" in t
+    assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read() == b"ok\n"
+
+
+# -- bad input on the wire ---------------------------------------------------------------------
+def test_bad_frames_close_the_connection_not_the_daemon(served):
+    path = served.daemon.config.unix_path
+    cases = [
+        b"XXXX" + pack_header(Op.PING, 1, 0, 0)[4:],                 # bad magic
+        pack_header(Op.PING, 1, 2 << 20, 0),                          # oversize metadata
+        pack_header(Op.PUT, 1, 0, 1 << 40),                           # oversize payload
+        pack_header(99, 1, 0, 0),                                     # unknown opcode
+        pack_header(Op.PING, 1, 3, 0) + b"\xc1\xc1\xc1",              # metadata not msgpack
+    ]
+    for bad in cases:
+        s = raw_conn(path)
+        s.sendall(bad)
+        _, status, meta = read_reply(s)
+        assert status == STATUS_ERROR and meta["error"] == "ProtocolError", meta
+        assert_closed(s)
+    s = raw_conn(path)
+    s.sendall(pack_header(Op.PING, 1, 0, 0)[:10])                     # truncated, then gone
+    s.close()
+    with client(served.url) as c:
+        assert c.ping()["ok"]
+    assert served.daemon.errors >= len(cases)
+
+
+def test_disconnect_mid_request_leaves_no_reference(served):
+    keys, blocks = blocks_for(51)
+    store = served.daemon.store
+    with client(served.url) as c:
+        c.put(IDENT, keys, blocks)
+    ident = json.dumps(IDENT.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+    # a PUT whose payload stops half way
+    s = raw_conn(served.daemon.config.unix_path)
+    s.sendall(frame(Op.PUT, 2, {"identity": ident, "keys": keys}, 6 * BB) + bytes(BB // 2))
+    s.close()
+    # a GET whose client leaves before reading the reply
+    gone = threading.Event()
+    real = store.aget_into
+
+    async def slow_get(*a, **kw):  # fault injection: hold the request until the client has gone
+        await asyncio.get_running_loop().run_in_executor(None, gone.wait, 5)
+        return await real(*a, **kw)
+
+    store.aget_into = slow_get
+    try:
+        s = raw_conn(served.daemon.config.unix_path)
+        s.sendall(frame(Op.GET, 3, {"identity": ident, "keys": keys}))
+        time.sleep(0.1)
+        s.close()
+        gone.set()
+        deadline = time.monotonic() + 5
+        while served.daemon._busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        store.aget_into = real
+    assert served.daemon._busy == 0
+    assert not store.leases._refs, dict(store.leases._refs)
+    with client(served.url) as c:
+        assert all(np.array_equal(g, b) for g, b in zip(c.get(IDENT, keys), blocks))
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+def test_graceful_drain_finishes_in_flight_requests(served):
+    keys, blocks = blocks_for(61)
+    release = threading.Event()
+    entered = threading.Event()
+    store = served.daemon.store
+    real = store.aput
+
+    async def parked_put(*a, **kw):  # fault injection: a put that is slow to finish
+        entered.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        return await real(*a, **kw)
+
+    store.aput = parked_put
+    c = client(served.url)
+    fut = c.put_async(IDENT, keys, blocks)
+    assert entered.wait(5)
+    drain = asyncio.run_coroutine_threadsafe(served.daemon.drain(), served.loop)
+    time.sleep(0.2)
+    assert not drain.done() and not fut.done()          # waits for the in-flight put
+    with pytest.raises(TierUnavailable):                # no longer accepting
+        client(served.url).ping()
+    release.set()
+    assert fut.result(10) == [PutOutcome.STORED] * 6
+    drain.result(10)
+    with pytest.raises(TierUnavailable):
+        c.ping()
+    c.close()
+
+
+def test_restart_keeps_nvme_blocks_and_client_reconnects(tmp_path):
+    cfg = daemon_config(tmp_path)
+    url = f"unix://{cfg.unix_path}"
+    keys, blocks = blocks_for(71, n=12)   # more than DRAM holds: some land on NVMe by demotion
+    proc = spawn_daemon(cfg, tmp_path)
+    c = client(url, shm=True)
+    try:
+        assert c.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 12
+        proc.send_signal(signal.SIGTERM)                  # graceful: DRAM is flushed to NVMe
+        assert proc.wait(20) == 0
+        with pytest.raises(TierUnavailable):
+            c.get(IDENT, keys)
+        proc = spawn_daemon(cfg, tmp_path)
+        assert c.lookup(keys).prefix_blocks == 12          # the same client, reconnected
+        got = c.get(IDENT, keys)
+        assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, blocks))
+    finally:
+        c.close()
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_daemon_config_validation(tmp_path):
+    store = StoreConfig(dram_bytes=1 << 20)
+    with pytest.raises(ConfigError):
+        DaemonConfig(store=store)                          # nowhere to listen
+    with pytest.raises(ConfigError):
+        DaemonConfig(store=store, unix_path="/x", tenants=(TenantSpec("a", "short"),))
+    with pytest.raises(ConfigError):
+        DaemonConfig.from_dict({"store": {"dram_bytes": 1024}, "unix_path": "/x", "bogus": 1})
+    cfg = DaemonConfig.from_dict({"store": {"dram_bytes": "1MiB"}, "unix_path": "/x",
+                                  "tenants": [{"name": "t", "token": "12345678", "quota_bytes": "2MiB"}]})
+    assert cfg.tenants[0].quota_bytes == 2 << 20
