@@ -13,18 +13,19 @@ Policies: ``hbm-only`` (engine prefix cache alone, LRU), ``always-offload``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.simulate import DataPlane, SimTier, Simulator
 from kvstore.bench.trace import TraceRequest, read_trace
-from kvstore.errors import ConfigError
 from kvstore.policies.belady import belady_tier_hits
 from kvstore.policies.eviction import LRU, make_eviction
 from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
+
+from kvstore.errors import ConfigError
 
 POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady")
 TIER_NAMES = ("hbm", "dram", "nvme", "redis")
@@ -40,7 +41,7 @@ class ReplayConfig:
     redis_tokens: int = 0
     block_tokens: int = 512
     policies: tuple[str, ...] = POLICY_NAMES
-    regime_eviction: str = "s3fifo"
+    regime_eviction: str = "model"     # "model": the regime policy's own reuse-model order; or lru / s3fifo
     regime_mode: str = "fixed"
     thresholds: tuple[int, int, int] = (100_000, 250_000, 500_000)
     window_s: float = 60.0
@@ -86,9 +87,15 @@ def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
         raise ConfigError(f"{policy!r} is not an online policy")
     # HBM is the engine's own prefix cache (LRU in vLLM / SGLang): no policy
     # gets to reorder it; the regime policy's eviction order applies below it.
-    sim_tiers = [SimTier(n, b, make_eviction(cfg.regime_eviction)
-                         if policy == "regime" and i > 0 else LRU())
-                 for i, (n, b) in enumerate(tiers)]
+    make_order = getattr(placement, "make_order", None)
+
+    def order_for(i: int, name: str):
+        if policy != "regime" or i == 0:
+            return LRU()
+        if cfg.regime_eviction == "model" and make_order is not None:
+            return make_order(name)
+        return make_eviction(cfg.regime_eviction)
+    sim_tiers = [SimTier(n, b, order_for(i, n)) for i, (n, b) in enumerate(tiers)]
     return Simulator(sim_tiers, placement, data_plane=data_plane, record_events=record_events)
 
 
@@ -107,17 +114,44 @@ class PolicyRun:
     uses_l2: list[bool] = field(default_factory=list)
     placement_stats: dict = field(default_factory=dict)
     tier_io: dict = field(default_factory=dict)
+    data_plane: dict | None = None                            # the data plane's close() summary
 
 
 def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig, cost: CostModel,
-               data_plane: DataPlane | None = None) -> PolicyRun:
+               data_plane: DataPlane | None = None,
+               data_plane_factory: Callable[[str, list[str]], DataPlane] | None = None) -> PolicyRun:
+    """One online policy over ``requests``. A data plane (given, or made by
+    ``data_plane_factory(policy, tier_names)`` with the simulation's own tiers)
+    is told every decision; if it has ``begin_request(req)`` / ``end_request()``
+    they bracket each step, and a factory-made one is closed at the end, its
+    ``close()`` summary landing in ``PolicyRun.data_plane``."""
     sim = build_simulator(policy, cfg, cost, data_plane=data_plane)
+    names = [t.name for t in sim.tiers]
+    owned = data_plane_factory is not None and data_plane is None
+    if owned:
+        sim.data_plane = data_plane = data_plane_factory(policy, names)
+    try:
+        run = _steps(sim, policy, requests, cfg, data_plane)
+    finally:
+        summary = data_plane.close() if owned and hasattr(data_plane, "close") else None
+    run.data_plane = summary
+    return run
+
+
+def _steps(sim: Simulator, policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig,
+           data_plane: DataPlane | None) -> PolicyRun:
     names = [t.name for t in sim.tiers]
     run = PolicyRun(names)
     nt = len(names)
     is_regime = policy == "regime"
+    begin = getattr(data_plane, "begin_request", None)
+    end = getattr(data_plane, "end_request", None)
     for req in requests:
+        if begin is not None:
+            begin(req)
         res = sim.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg))
+        if end is not None:
+            end()
         counts = [0] * nt
         for t in res.hit_tiers:
             counts[t] += 1
@@ -254,7 +288,9 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
     ``{"policies": {NAME: {...}}, "cost_model": {...}, "config": {...}}``.
 
     ``data_plane_factory(policy, tier_names)`` attaches real tiers to an online
-    policy's simulation (decisions are unchanged). Writes ``json_out`` (without
+    policy's simulation (decisions are unchanged; see :mod:`kvstore.bench.dataplane`);
+    the summary a data plane's ``close()`` returns is ``policies[NAME]["data_plane"]``.
+    Writes ``json_out`` (without
     per-request TTFT lists) and PNG plots into ``plots_dir`` when given.
     """
     cost = cost or make_cost_model()
@@ -265,9 +301,10 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
         if name == "belady":
             run = run_belady(requests, cfg)
         else:
-            dp = data_plane_factory(name, [n for n, _ in cfg.tiers()]) if data_plane_factory else None
-            run = run_online(name, requests, cfg, cost, dp)
+            run = run_online(name, requests, cfg, cost, data_plane_factory=data_plane_factory)
         policies[name] = summarize(run, requests, cfg, cost)
+        if run.data_plane is not None:
+            policies[name]["data_plane"] = run.data_plane
     result = {"policies": policies, "cost_model": cost.describe(),
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
@@ -303,16 +340,27 @@ def render_table(result: dict):
     cfg = result.get("config", {})
     table = Table(title=f"replay: {cfg.get('requests')} requests, tiers "
                         f"{cfg.get('tiers_tokens')} tokens, model {result['cost_model']['model']['name']}")
+    dp = any("data_plane" in p for p in result["policies"].values())
     for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "TTFT mean",
-                "p50", "p99", "trough"):
+                "p50", "p99", "trough") + (("data plane",) if dp else ()):
         table.add_column(col, justify="left" if col in ("policy", "by tier") else "right")
-    f = lambda v, s="{:.1%}": "-" if v is None else s.format(v)  # noqa: E731
+    f = lambda v, s="{:.1%}": "-" if v is None else s.format(v)
     for name, p in result["policies"].items():
         tiers = " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v)
         table.add_row(name, f(p["hit_rate"]), tiers or "-", f(p["task_hit_rate"]),
                       f(p["recomputed_token_share"]), f(p["ttft_mean_s"], "{:.3f}s"),
                       f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
-                      f(p["middle_phase_trough"]))
+                      f(p["middle_phase_trough"]), *((_dp_cell(p.get("data_plane")),) if dp else ()))
     if result.get("gap_closed") is not None:
         table.caption = f"(regime - lru) / (belady - lru) = {result['gap_closed']:.2f}"
     return table
+
+
+def _dp_cell(d: dict | None) -> str:
+    """The data plane's verdict: blocks verified, or what went wrong."""
+    if d is None:
+        return "-"
+    if d["ok"]:
+        return f"{d['verified_blocks']:,} verified"
+    return (f"FAILED: {d['wrong_blocks']} wrong, {d['missing_blocks']} missing, "
+            f"{d['tier_evicted_blocks']} tier-evicted, {d['protocol_errors']} protocol")

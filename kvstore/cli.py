@@ -12,7 +12,8 @@ from kvstore import settings
 from kvstore.errors import KVStoreError
 from kvstore.units import parse_size
 
-console = Console()
+# piped output (logs, CI) gets a wide console so tables are not cut to 80 columns
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 
 class Size(click.ParamType):

@@ -56,12 +56,20 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--nvme-tokens", default="1.4M", type=SIZE, show_default=True)
 @click.option("--redis-tokens", default="0", type=SIZE, show_default=True)
 @click.option("--regime-mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True)
+@click.option("--data-plane/--no-data-plane", default=True, show_default=True,
+              help="Move scaled real bytes through real tiers and verify every hit; off: simulate only.")
+@click.option("--bytes-per-token", default=2, show_default=True, type=click.IntRange(1),
+              help="Data-plane payload bytes per token (a 512-token block at 2 = 1 KiB).")
+@click.option("--nvme-path", default=None, type=click.Path(file_okay=False),
+              help="Parent folder for the NVMe tier's segment folders (default: a temp dir); removed after.")
+@click.option("--redis-url", default=None, help="redis://host:port/db for the redis tier (with --redis-tokens).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
 @workload_options
 def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, regime_mode, json_path, plots_dir, seed, working_set, duration, tenants,
-           families, fork_prob, block_tokens, model, gpu_tflops) -> None:
+           redis_tokens, regime_mode, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
+           plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
+           gpu_tflops) -> None:
     """Replay a trace or the agent generator under several policies, side by side."""
     from kvstore.bench.replay import ReplayConfig, load_requests, render_table, run_replay  # noqa: PLC0415
 
@@ -76,9 +84,16 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, regime_mode=regime_mode,
                            policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
+        if redis_url and not data_plane:
+            raise click.UsageError("--redis-url needs the data plane (drop --no-data-plane)")
+        dpf = None
+        if data_plane:
+            from kvstore.bench.dataplane import make_data_plane_factory  # noqa: PLC0415
+            dpf = make_data_plane_factory(cfg, bytes_per_token=bytes_per_token, nvme_path=nvme_path,
+                                          redis_url=redis_url)
         with console.status(f"replaying {len(reqs):,} requests under {len(cfg.policies)} policies"):
             res = run_replay(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path,
-                             plots_dir=plots_dir, command=_command())
+                             plots_dir=plots_dir, command=_command(), data_plane_factory=dpf)
         console.print(render_table(res))
         console.print(f"cost model: {res['cost_model']}", style="dim")
     except KVStoreError as exc:

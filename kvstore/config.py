@@ -33,7 +33,7 @@ class StoreConfig:
     redis_ttl_s: int | None = None
     redis_cluster: bool = False
     redis_compression: str = "none"     # none | lz4
-    policy: str = "default"             # default | regime
+    policy: str = "default"             # default | regime | write-through
     max_prefetch: int = 4
     daemon_url: str | None = None       # unix:///run/kvstore.sock | tcp://127.0.0.1:7070: a RemoteStore;
     daemon_token: str | None = None     # the tiers above are then the daemon's business, not this process's
@@ -51,8 +51,10 @@ class StoreConfig:
             raise ConfigError(f"nvme_durability must be none or fsync, got {self.nvme_durability!r}")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://")):
             raise ConfigError(f"redis_url must start with redis:// or rediss://, got {self.redis_url!r}")
-        if self.policy not in ("default", "regime"):
-            raise ConfigError(f"policy must be default or regime, got {self.policy!r}")
+        if self.policy not in ("default", "regime", "write-through"):
+            raise ConfigError(f"policy must be default, regime or write-through, got {self.policy!r}")
+        if self.policy == "write-through" and not (self.nvme_bytes or self.redis_url):
+            raise ConfigError("policy write-through needs a persistent tier (nvme_bytes or redis_url)")
         if not (self.hbm_bytes or self.dram_bytes or self.nvme_bytes or self.redis_url):
             raise ConfigError("configure at least one tier (hbm_bytes, dram_bytes, nvme_bytes or redis_url)")
         if self.daemon_url is not None:

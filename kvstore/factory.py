@@ -33,16 +33,21 @@ async def build_tiers(cfg: StoreConfig) -> list:
     return tiers
 
 
-def build_placement(cfg: StoreConfig, names: list[str]):
+def build_placement(cfg: StoreConfig, tiers: list):
+    names = [t.name for t in tiers]
     if cfg.policy == "regime":
         from kvstore.policies.regime import RegimePlacement  # noqa: PLC0415
         return RegimePlacement(names)
-    return None  # the store's default
+    if cfg.policy == "write-through":
+        from kvstore.policies.placement import WriteThrough  # noqa: PLC0415
+        persistent = next(i for i, t in enumerate(tiers) if t.persistent)
+        return WriteThrough(names, persistent) if persistent > 0 else None
+    return None  # the store's default: put high, demote on eviction, promote on hit
 
 
 async def build_store(cfg: StoreConfig) -> TieredStore:
     tiers = await build_tiers(cfg)
-    return TieredStore(tiers, placement=build_placement(cfg, [t.name for t in tiers]),
+    return TieredStore(tiers, placement=build_placement(cfg, tiers),
                        max_prefetch=cfg.max_prefetch)
 
 

@@ -113,3 +113,38 @@ def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
     assert kvstore("check", "--nvme-path", str(tmp_path), "--fix").returncode == 0
     after = kvstore("check", "--nvme-path", str(tmp_path))
     assert "live blocks 4" in after.stdout
+
+
+def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
+    out, plots = tmp_path / "replay.json", tmp_path / "plots"
+    r = kvstore("bench", "replay", "--workload", "agent", "--duration", "40", "--json", str(out),
+                "--plots", str(plots), "--nvme-path", str(tmp_path))
+    res = json.loads(out.read_text())
+    assert set(res["policies"]) == {"hbm-only", "always-offload", "lru", "regime", "belady"}
+    for name, p in res["policies"].items():
+        for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "recomputed_token_share"):
+            assert k in p, (name, k)
+        if name != "belady":
+            assert p["data_plane"]["ok"] and p["data_plane"]["verified_blocks"] > 0
+    assert res["cost_model"]["model"]["kv_bytes_per_token"] > 0
+    assert sorted(f.name for f in plots.iterdir() if f.suffix == ".png")
+    assert "regime" in r.stdout
+
+
+def test_bench_replay_bad_trace_line_names_the_line(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+                     '{"timestamp": 5, "input_length": "x"}\n')
+    r = kvstore("bench", "replay", "--trace", str(trace), check=False)
+    assert r.returncode == 2 and ":2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_sweep_reports_every_band(tmp_path):
+    out = tmp_path / "sweep.json"
+    kvstore("bench", "sweep", "--duration", "30", "--json", str(out))
+    bands = json.loads(out.read_text())["bands"]
+    assert [b["band"] for b in bands] == ["<100K", "100K-250K", "250K-500K", ">500K"]
+    for b in bands:
+        assert b["working_set_tokens"] > 0
+        for p in ("hbm-only", "always-offload", "lru", "regime"):
+            assert b["policies"][p]["completed"] >= 0 and b["policies"][p]["ttft_mean_s"] >= 0

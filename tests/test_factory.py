@@ -47,3 +47,25 @@ def test_store_with_redis_behind_dram(redis_url):
         assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, BLOCKS))
         assert s.invalidate(ID) >= 6
         assert s.lookup(KEYS).prefix_blocks == 0
+
+
+def test_write_through_survives_a_crash_without_close(tmp_path):
+    """A process that dies without closing keeps what write-through put on NVMe."""
+    import subprocess
+    import sys
+    code = f"""
+import os, numpy as np
+from kvstore.config import StoreConfig
+from kvstore.factory import open_store
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+ID = CacheIdentity("m/factory", KVLayout(2, 2, 32, 16, dtype="float16"))
+s = open_store(StoreConfig(dram_bytes=1 << 20, nvme_path={str(tmp_path)!r}, nvme_bytes=16 << 20,
+                           nvme_durability="fsync", policy="write-through"))
+s.put(ID, block_keys(ID, range(16 * 6)), [np.full(ID.layout.block_bytes, i, np.uint8) for i in range(6)])
+os._exit(0)  # no close, no flush
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    with open_store(StoreConfig(dram_bytes=1 << 20, nvme_path=str(tmp_path), nvme_bytes=16 << 20)) as s:
+        assert s.lookup(KEYS).prefix_blocks == 6
+        assert all(np.array_equal(g, b) for g, b in zip(s.get(ID, KEYS), BLOCKS))
