@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 from kvstore.bench.trace import TraceRequest
 
+from kvstore.demo import payload_for, stand_in_tokens
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain
@@ -162,21 +163,12 @@ class KeyMap:
         return got
 
     def _tokens(self, ids: Sequence[Hashable]) -> np.ndarray:
-        """Stand-in tokens: block j repeats the low 32 bits of its id, with the
-        high 32 bits as its second token, so distinct 64-bit ids never share
-        a block's tokens (a plain ``id % 2**32`` would for large ids)."""
-        vals = [hash(h) if not isinstance(h, int) else h for h in ids]
-        lo = np.array([v & 0xFFFFFFFF for v in vals], dtype="<u4")
-        hi = np.array([(v >> 32) & 0xFFFFFFFF for v in vals], dtype="<u4")
-        toks = np.repeat(lo[:, None], self.block_tokens, axis=1)
-        if self.block_tokens > 1:
-            toks[:, 1] = hi
-        return toks.reshape(-1)
+        return stand_in_tokens(ids, self.block_tokens)
 
 
 def payload_bytes(key: BlockKey, nbytes: int) -> bytes:
-    """The block's deterministic bytes (same as :func:`kvstore.demo.payload_for`)."""
-    return (key * -(-nbytes // len(key)))[:nbytes]
+    """The block's deterministic bytes (the demo's, as bytes)."""
+    return payload_for(key, nbytes).tobytes()
 
 
 # -- tiers --------------------------------------------------------------------------------

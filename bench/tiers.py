@@ -20,7 +20,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import HEADER_BYTES, BlockSpec
 
 KNOWN_TIERS = ("hbm", "dram", "nvme", "redis")
@@ -62,12 +63,34 @@ def timed(fn: Callable[[], object], nbytes: int) -> float:
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
+def checked(outcomes: list, ok: tuple, what: str) -> None:
+    """A benchmark whose puts or gets did not all succeed would report false GB/s."""
+    bad = [o for o in outcomes if o not in ok]
+    if bad:
+        raise KVStoreError(f"{what}: {len(bad)} of {len(outcomes)} blocks failed ({bad[0].value}); "
+                           "raise the tier's capacity or lower --blocks")
+
+
 def row(tier: str, op: str, block_bytes: int, gbps: list[float], raw: list[float]) -> dict:
     med, raw_med = statistics.median(gbps), statistics.median(raw)
     return {"tier": tier, "op": op, "block_bytes": block_bytes, "gbps": med, "raw_gbps": raw_med,
             "ratio": med / raw_med if raw_med else float("nan"),
             "gbps_min": min(gbps), "gbps_max": max(gbps), "raw_gbps_min": min(raw),
             "raw_gbps_max": max(raw), "repeats": len(gbps)}
+
+
+def _batched(loop, op, spec, keys, bufs, batch) -> list:
+    out = []
+    for i in range(0, len(keys), batch):
+        out += loop.run_until_complete(op(spec, keys[i:i + batch], bufs[i:i + batch]))
+    return out
+
+
+def _check_outs(outs: list) -> None:
+    put_outs, get_outs = outs
+    checked(put_outs, (PutOutcome.STORED,), "put")
+    checked(get_outs, (GetOutcome.HIT,), "get")
+    outs.clear()
 
 
 # -- DRAM -----------------------------------------------------------------------
@@ -80,16 +103,15 @@ def bench_dram(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
     tier = DramTier(DramConfig(capacity_bytes=n * (bb + 4096) + (64 << 20), pinned="auto"))
     raw_arena = make_blocks(n, bb, seed=2)  # the raw copy's destination: as big as the tier's arena
     loop = asyncio.new_event_loop()
-    put, get, raw_put, raw_get = [], [], [], []
+    put, get, raw_put, raw_get, outs = [], [], [], [], []
     for _ in range(cfg.repeats):
         raw_put.append(timed(lambda: [np.copyto(raw_arena[i], src[i]) for i in range(n)], n * bb))
-        put.append(timed(lambda: [loop.run_until_complete(tier.put_many(spec, keys[i:i + cfg.batch],
-                                                                         src[i:i + cfg.batch]))
-                                  for i in range(0, n, cfg.batch)], n * bb))
+        put.append(timed(lambda: outs.append(_batched(loop, tier.put_many, spec, keys, src, cfg.batch)),
+                         n * bb))
         raw_get.append(timed(lambda: [np.copyto(dst[i], raw_arena[i]) for i in range(n)], n * bb))
-        get.append(timed(lambda: [loop.run_until_complete(tier.get_into_many(spec, keys[i:i + cfg.batch],
-                                                                              dst[i:i + cfg.batch]))
-                                  for i in range(0, n, cfg.batch)], n * bb))
+        get.append(timed(lambda: outs.append(_batched(loop, tier.get_into_many, spec, keys, dst,
+                                                       cfg.batch)), n * bb))
+        _check_outs(outs)
         loop.run_until_complete(tier.delete_many(keys))
         tick()
     loop.run_until_complete(tier.close())
@@ -148,7 +170,7 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
     dst = make_blocks(n, bb, seed=1)
     raw_path = os.path.join(root, "raw.bin")
     loop = asyncio.new_event_loop()
-    put, get, raw_get = [], [], []
+    put, get, raw_get, outs = [], [], [], []
     raw_put: dict[bool, list[float]] = {False: [], True: []}
     try:
         for rep in range(cfg.repeats):
@@ -157,15 +179,14 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
                                        durability="fsync"))
             for wb in (False, True):
                 raw_put[wb].append(timed(lambda: _raw_file_write(raw_path, src, cfg.batch, wb), n * bb))
-            put.append(timed(lambda: [loop.run_until_complete(tier.put_many(spec, keys[i:i + cfg.batch],
-                                                                             src[i:i + cfg.batch]))
-                                      for i in range(0, n, cfg.batch)], n * bb))
+            put.append(timed(lambda: outs.append(_batched(loop, tier.put_many, spec, keys, src,
+                                                           cfg.batch)), n * bb))
             _drop_file_cache(raw_path)
             raw_get.append(timed(lambda: _raw_file_read(raw_path, dst), n * bb))
             tier.drop_page_cache()
-            get.append(timed(lambda: [loop.run_until_complete(tier.get_into_many(spec, keys[i:i + cfg.batch],
-                                                                                  dst[i:i + cfg.batch]))
-                                      for i in range(0, n, cfg.batch)], n * bb))
+            get.append(timed(lambda: outs.append(_batched(loop, tier.get_into_many, spec, keys, dst,
+                                                           cfg.batch)), n * bb))
+            _check_outs(outs)
             loop.run_until_complete(tier.close())
             shutil.rmtree(tier_dir, ignore_errors=True)
             tick()

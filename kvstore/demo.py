@@ -9,6 +9,7 @@ against the payload derived from its key, so a wrong hit cannot go unseen.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable
@@ -47,12 +48,25 @@ def payload_for(key: BlockKey, nbytes: int) -> np.ndarray:
     return np.frombuffer(key * reps, dtype=np.uint8, count=nbytes)
 
 
+def stand_in_tokens(ids: Iterable[object], block_tokens: int) -> np.ndarray:
+    """Tokens standing in for trace blocks: block j repeats the low 32 bits of
+    its id, with the high 32 bits as its second token, so distinct 64-bit ids
+    never share a block's tokens. Non-int ids go through SHA-256 (never
+    Python's ``hash()``, which differs between processes)."""
+    vals = [h if isinstance(h, int) else
+            int.from_bytes(hashlib.sha256(str(h).encode()).digest()[:8], "little") for h in ids]
+    lo = np.array([v & 0xFFFFFFFF for v in vals], dtype="<u4")
+    hi = np.array([(v >> 32) & 0xFFFFFFFF for v in vals], dtype="<u4")
+    toks = np.repeat(lo[:, None], block_tokens, axis=1)
+    if block_tokens > 1:
+        toks[:, 1] = hi
+    return toks.reshape(-1)
+
+
 def request_keys(identity: CacheIdentity, hash_ids: Iterable[int], full_blocks: int) -> list[BlockKey]:
-    """Chain keys over stand-in tokens: each trace hash id fills its block."""
-    bt = identity.layout.block_tokens
+    """Chained keys over the stand-in tokens of a request's sealed blocks."""
     ids = list(hash_ids)[:full_blocks]
-    tokens = np.repeat(np.asarray(ids, dtype=np.int64) % (1 << 32), bt)
-    return KeyChain(identity).extend(tokens)
+    return KeyChain(identity).extend(stand_in_tokens(ids, identity.layout.block_tokens))
 
 
 async def replay_into_store(store: TieredStore, requests: Iterable, identity: CacheIdentity,

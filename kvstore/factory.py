@@ -6,14 +6,30 @@ imports redis or cupy.
 from __future__ import annotations
 
 from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
 from kvstore.sync import KVStore
 
 
 async def build_tiers(cfg: StoreConfig) -> list:
+    """Tiers fastest first (see _open_tiers); a tier that fails to open closes
+    the ones already opened, and an OS error (a path that is a file, no
+    permission) becomes a ConfigError naming it."""
+    tiers: list = []
+    try:
+        await _open_tiers(cfg, tiers)
+    except BaseException as exc:
+        for tier in tiers:
+            await tier.close()
+        if isinstance(exc, OSError):
+            raise ConfigError(f"cannot open a tier: {exc}") from exc
+        raise
+    return tiers
+
+
+async def _open_tiers(cfg: StoreConfig, tiers: list) -> None:
     """Tiers fastest first. Must run on the event loop that will own them
     (the Redis tier binds its connections to it, and reads its ledger back)."""
-    tiers = []
     if cfg.hbm_bytes:
         from kvstore.tiers.hbm import HbmConfig, HbmTier  # noqa: PLC0415
         tiers.append(HbmTier(HbmConfig(capacity_bytes=cfg.hbm_bytes, device=cfg.hbm_device)))
@@ -30,7 +46,6 @@ async def build_tiers(cfg: StoreConfig) -> list:
         tiers.append(await RedisTier.open(RedisConfig(
             url=cfg.redis_url, capacity_bytes=cfg.redis_bytes, prefix=cfg.redis_prefix,
             cluster=cfg.redis_cluster, ttl_s=cfg.redis_ttl_s, compression=cfg.redis_compression)))
-    return tiers
 
 
 def build_placement(cfg: StoreConfig, tiers: list):

@@ -23,7 +23,7 @@ class Leases:
         self._refs: Counter = Counter()             # key -> in-flight transfers
 
     def pin(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
-        if not ttl_s > 0:
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
             raise KVStoreError(f"a pin needs a positive ttl, got {ttl_s!r}")
         expiry = self._clock() + ttl_s
         for k in keys:

@@ -5,10 +5,13 @@ dict. Counting misses by reason is how a user finds out why the hit rate fell.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from kvstore.outcomes import MissReason
+
+MAX_TENANTS = 1024
 
 
 @dataclass(slots=True)
@@ -37,12 +40,21 @@ class StoreStats:
     prefetches: int = 0
     prefetched_blocks: int = 0
     invalidated_blocks: int = 0
-    events: list = field(default_factory=list)                # recent notable events
 
     def tier(self, name: str) -> TierCounters:
         if name not in self.tiers:
             self.tiers[name] = TierCounters()
         return self.tiers[name]
+
+    def tenant_label(self, cache_salt: str) -> str:
+        """A short, stable label per tenant salt: salts may be secrets, so they
+        never appear in stats; past MAX_TENANTS distinct labels, "other"."""
+        if not cache_salt:
+            return "-"
+        label = "t" + hashlib.sha256(cache_salt.encode()).hexdigest()[:8]
+        known = label in self.tenant_hits or label in self.tenant_misses
+        return label if known or len(set(self.tenant_hits) | set(self.tenant_misses)) < MAX_TENANTS \
+            else "other"
 
     def miss(self, reason: MissReason, tenant: str) -> None:
         self.misses[reason] += 1

@@ -60,13 +60,20 @@ class TieredStore:
         make_order = getattr(self.placement, "make_order", None)
         self._order = [make_order(n) if make_order and i > 0 else eviction()
                        for i, n in enumerate(names)]
+        for order, tier in zip(self._order, self.tiers):  # blocks a tier held before we started
+            for key in tier.iter_keys():
+                order.insert(key)
         self.leases = Leases(clock)
         self.clock = clock
         self.stats = StoreStats()
         for n in names:
             self.stats.tier(n)
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
-        self._ns_of: dict[BlockKey, bytes] = {}
+        self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
+        self._epoch = 0                        # bumped by every invalidation
+        self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
+        if max_prefetch < 1 or max_prefetch_blocks < 1:
+            raise KVStoreError("max_prefetch and max_prefetch_blocks must be >= 1")
         self._prefetch_slots = asyncio.Semaphore(max_prefetch)
         self._prefetch_budget = max_prefetch_blocks
         self._prefetch_queued = 0
@@ -129,50 +136,67 @@ class TieredStore:
         return out
 
     async def _put_batch(self, ti: int, spec: BlockSpec, keys: list[BlockKey], views: list,
-                         ) -> list[PutOutcome]:
+                         where: list[int | None] | None = None) -> list[PutOutcome]:
         """Put into tier ``ti``, making room by demotion; what does not fit
         falls through to slower tiers. A batch larger than the tier behaves as
-        puts one by one would: its earlier blocks are demoted to make room."""
+        puts one by one would: its earlier blocks are demoted to make room.
+        ``where`` (optional) receives the tier each block ended up in."""
         out = [PutOutcome.NO_SPACE] * len(keys)
+        where = where if where is not None else [None] * len(keys)
         todo = list(range(len(keys)))
         for t in range(ti, len(self.tiers)):
             while todo:
-                left = await self._put_round(t, spec, keys, views, todo, out)
-                if len(left) == len(todo) or PutOutcome.UNAVAILABLE in (out[i] for i in left):
+                left = await self._put_round(t, spec, keys, views, todo, out, where)
+                progress, todo = len(left) < len(todo), left
+                if not progress or PutOutcome.UNAVAILABLE in (out[i] for i in left):
                     break  # no progress in this tier: the rest goes further down
-                todo = left
         return out
 
     async def _put_round(self, t: int, spec: BlockSpec, keys: list[BlockKey], views: list,
-                         todo: list[int], out: list[PutOutcome]) -> list[int]:
-        tier, counters = self.tiers[t], self.stats.tier(self.names[t])
-        await self._make_room(t, spec, len(todo))
+                         todo: list[int], out: list[PutOutcome], where: list[int | None]) -> list[int]:
+        tier, counters, order = self.tiers[t], self.stats.tier(self.names[t]), self._order[t]
+        await self._make_room(t, spec, sum(keys[i] not in order for i in todo))
         res = await tier.put_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
         self._after_self_eviction(t)
         left = []
         for i, r in zip(todo, res):
             out[i] = r
-            if r is PutOutcome.STORED:
-                self._order[t].insert(keys[i])
-                counters.puts += 1
-                counters.bytes_written += spec.nbytes
-            elif r is PutOutcome.EXISTS:
-                self._order[t].touch(keys[i])
             if r in (PutOutcome.STORED, PutOutcome.EXISTS):
-                self._ns_of[keys[i]] = spec.namespace
+                order.insert(keys[i])  # idempotent: a known key is touched
+                where[i] = t
+                self._remember_ns(keys[i], spec.namespace)
                 self._gone.pop(keys[i], None)
+                if r is PutOutcome.STORED:
+                    counters.puts += 1
+                    counters.bytes_written += spec.nbytes
             else:
                 counters.unavailable += r is PutOutcome.UNAVAILABLE
                 left.append(i)
         return left
 
-    async def _put_one(self, ti: int, spec: BlockSpec, key: BlockKey, view: object) -> PutOutcome:
-        return (await self._put_batch(ti, spec, [key], [view]))[0]
+    async def _put_one(self, ti: int, spec: BlockSpec, key: BlockKey,
+                       view: object) -> tuple[PutOutcome, int | None]:
+        """Outcome, and the tier the block ended up in (None if nowhere)."""
+        where: list[int | None] = [None]
+        return (await self._put_batch(ti, spec, [key], [view], where))[0], where[0]
+
+    def _remember_ns(self, key: BlockKey, namespace: bytes) -> None:
+        self._ns_of[key] = namespace
+        self._ns_of.move_to_end(key)
+        if len(self._ns_of) > _GONE_MEMORY:
+            self._ns_of.popitem(last=False)
+
+    def _invalidated_since(self, namespace: bytes, start_epoch: int) -> bool:
+        """True when ``namespace`` was invalidated after an operation began at ``start_epoch``."""
+        return self._ns_epoch.get(namespace, -1) > start_epoch
 
     async def _make_room(self, ti: int, spec: BlockSpec, count: int = 1) -> None:
-        """Evict (demote) unprotected blocks until ``count`` blocks fit, or none is left."""
+        """Evict (demote) unprotected blocks until ``count`` blocks fit, or none is left.
+
+        Self-evicting tiers (NVMe segments, FIFO) make room themselves and do
+        not consult pins: a pin protects a block in the tiers the store evicts."""
         tier = self.tiers[ti]
-        if getattr(tier, "self_evicting", False):
+        if count <= 0 or getattr(tier, "self_evicting", False):
             return
         while not tier.fits(spec, count):
             victims = self._order[ti].evict(1, self.leases)
@@ -185,26 +209,32 @@ class TieredStore:
         tier = self.tiers[ti]
         self.stats.tier(tier.name).evictions += 1
         target = self.placement.on_evict(key, ti)
-        moved = False
+        landed, outcome = None, None
         if target is not None and target > ti:
             with self.leases.transfer([key]):
-                moved = await self._copy(key, ti, target)
+                outcome, landed = await self._copy(key, ti, target)
         await tier.delete_many([key])
-        if moved:
-            self.stats.tier(self.names[target]).demotions_in += 1
-        elif not await self._held_in(key, range(len(self.tiers))):
+        if outcome is PutOutcome.STORED:
+            self.stats.tier(self.names[landed]).demotions_in += 1
+        if landed is None and not await self._held_in(key, range(len(self.tiers))):
             self._forget(key, MissReason.EVICTED)
             self._ns_of.pop(key, None)
 
-    async def _copy(self, key: BlockKey, src: int, dst: int) -> bool:
+    async def _copy(self, key: BlockKey, src: int, dst: int) -> tuple[PutOutcome | None, int | None]:
+        """Copy a block from tier ``src`` to ``dst`` (or below, if full): the put
+        outcome and the tier it landed in; (None, None) if it could not be read
+        or its namespace was invalidated meanwhile."""
+        start = self._epoch
         head = (await self.tiers[src].stat_many([key]))[0]
         if head is None:
-            return False
+            return None, None
         spec = BlockSpec(head.namespace, head.layout, head.raw_len)
         buf = np.empty(spec.nbytes, dtype=np.uint8)
-        if (await self.tiers[src].get_into_many(spec, [key], [buf]))[0] is not GetOutcome.HIT:
-            return False
-        return await self._put_one(dst, spec, key, buf) in (PutOutcome.STORED, PutOutcome.EXISTS)
+        if (await self.tiers[src].get_into_many(spec, [key], [buf]))[0] is not GetOutcome.HIT \
+                or self._invalidated_since(spec.namespace, start):
+            return None, None
+        outcome, landed = await self._put_one(dst, spec, key, buf)
+        return (outcome, landed) if landed is not None else (None, None)
 
     async def _held_in(self, key: BlockKey, tier_indexes: Sequence[int]) -> bool:
         for t in tier_indexes:
@@ -231,7 +261,8 @@ class TieredStore:
         """
         spec = BlockSpec.of(identity)
         keys, views = check_batch(spec, keys, dsts, writable=True)
-        tenant = identity.cache_salt or "-"
+        start = self._epoch
+        tenant = self.stats.tenant_label(identity.cache_salt)
         result: list[MissReason | None] = [MissReason.NEVER_STORED] * len(keys)
         hit_tier: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -241,7 +272,8 @@ class TieredStore:
                     break
                 outs = await tier.get_into_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
-            await self._promote(spec, keys, views, hit_tier)
+            if not self._invalidated_since(spec.namespace, start):  # never re-add invalidated blocks
+                await self._promote(spec, keys, views, hit_tier)
         for i, r in enumerate(result):
             if r is None:
                 self.stats.tenant_hits[tenant] += 1
@@ -260,7 +292,7 @@ class TieredStore:
                 result[i], hit_tier[i] = None, ti
                 counters.hits += 1
                 counters.bytes_read += spec.nbytes
-                self._order[ti].touch(keys[i])
+                self._order[ti].insert(keys[i])  # idempotent: touches a known key
                 continue
             if outcome is GetOutcome.CORRUPT:
                 counters.corrupt += 1
@@ -279,8 +311,9 @@ class TieredStore:
                 continue
             target = self.placement.on_hit(keys[i], ti)
             if target is not None and target < ti:
-                if await self._put_one(target, spec, keys[i], views[i]) is PutOutcome.STORED:
-                    self.stats.tier(self.names[target]).promotions_in += 1
+                outcome, landed = await self._put_one(target, spec, keys[i], views[i])
+                if outcome is PutOutcome.STORED and landed is not None and landed < ti:
+                    self.stats.tier(self.names[landed]).promotions_in += 1
 
     async def aget(self, identity: CacheIdentity, keys: Sequence[BlockKey]
                    ) -> list[np.ndarray | None]:
@@ -295,7 +328,12 @@ class TieredStore:
         whose result is the number of blocks moved. Bounded: at most
         ``max_prefetch`` run at once and at most ``max_prefetch_blocks`` wait;
         past that the request is dropped (the Task returns 0)."""
-        ti = self.names.index(to) if isinstance(to, str) else int(to)
+        if isinstance(to, str):
+            if to not in self.names:
+                raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
+            ti = self.names.index(to)
+        else:
+            ti = int(to)
         if not 0 <= ti < len(self.tiers):
             raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
         keys = [check_key(k) for k in keys]
@@ -325,11 +363,14 @@ class TieredStore:
             return 0
         for src in range(ti + 1, len(self.tiers)):
             if (await self.tiers[src].contains_many([key]))[0]:
-                return int(await self._copy(key, src, ti))
+                outcome, landed = await self._copy(key, src, ti)
+                return int(outcome is PutOutcome.STORED and landed == ti)
         return 0
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
-        """Lease: pinned blocks are never chosen for eviction until unpinned or expired."""
+        """Lease: pinned blocks are never chosen for eviction until unpinned or
+        expired. Self-evicting tiers (NVMe's FIFO segments) do not see pins:
+        keep blocks that must stay in a tier the store evicts (HBM, DRAM, Redis)."""
         self.leases.pin([check_key(k) for k in keys], ttl_s)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
@@ -340,6 +381,8 @@ class TieredStore:
         ns = identity.namespace_tag if isinstance(identity, CacheIdentity) else bytes(identity)
         if len(ns) != 16:
             raise InvalidBlock("a namespace tag is 16 bytes")
+        self._epoch += 1  # fences copies and promotions already in flight
+        self._ns_epoch[ns] = self._epoch
         dropped = 0
         for tier in self.tiers:
             dropped += await tier.drop_namespace(ns)
@@ -377,7 +420,7 @@ class TieredStore:
                 if await self._held_in(key, below):
                     continue
                 with self.leases.transfer([key]):
-                    written += await self._copy(key, ti, below[0])
+                    written += (await self._copy(key, ti, below[0]))[0] is PutOutcome.STORED
         return written
 
     async def aclose(self) -> None:

@@ -36,7 +36,13 @@ class KVStore:
             store = build()
             return await store if asyncio.iscoroutine(store) else store
 
-        self.store: TieredStore = self._call(_build())
+        try:
+            self.store: TieredStore = self._call(_build())
+        except BaseException:  # don't leave the loop thread behind a failed build
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -225,3 +225,87 @@ def test_write_through_reaches_the_persistent_tier_at_once(run):
     run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)]))
     assert run(slow.contains_many(KEYS[:3])) == [True] * 3
     assert run(s.alookup(KEYS[:3])).tiers == ["dram"] * 3
+
+
+class Slow(MemoryTier):
+    """Fault injection: a read completes, then waits on an event before it
+    returns (a disk read in a worker thread), so other calls run meanwhile."""
+
+    def __init__(self, name="slow"):
+        super().__init__(1 << 30, name)
+        self.gate = asyncio.Event()
+
+    async def get_into_many(self, spec, keys, dsts):
+        out = await super().get_into_many(spec, keys, dsts)
+        await self.gate.wait()
+        return out
+
+
+def test_invalidate_during_a_read_does_not_bring_the_block_back(run):
+    slow = Slow()
+    s = TieredStore([dram(8), slow])
+    run(slow.put_many(BlockSpec.of(ID), KEYS[:2], [block(0), block(1)]))
+
+    async def go():
+        read = asyncio.ensure_future(s.aget_into(ID, KEYS[:2], [np.zeros(BB, np.uint8) for _ in range(2)]))
+        await asyncio.sleep(0)
+        dropped = await s.ainvalidate(ID)  # while the read waits in the slow tier
+        slow.gate.set()
+        await read
+        return dropped
+    assert run(go()) == 2
+    assert run(s.alookup(KEYS[:2])).tiers == [None, None]  # not promoted back into DRAM
+
+
+def test_blocks_held_before_start_are_evictable(run):
+    """A tier that comes up full (Redis's ledger, a reopened tier) is known to the eviction order."""
+    full = MemoryTier(4 * (BB + 96), "l3")
+    run(full.put_many(BlockSpec.of(ID), KEYS[:4], [block(i) for i in range(4)]))
+    s = TieredStore([dram(2), full])
+    assert run(s.aput(ID, KEYS[4:10], [block(i) for i in range(4, 10)])) == [PutOutcome.STORED] * 6
+    res = run(s.alookup(KEYS[4:10]))
+    assert res.prefix_blocks == 6, res  # demoted into l3 by evicting its old blocks
+
+
+def test_re_putting_held_blocks_evicts_nothing(run):
+    s = TieredStore([dram(4), dram(8, "dram2")])
+    run(s.aput(ID, KEYS[:4], [block(i) for i in range(4)]))
+    assert run(s.aput(ID, KEYS[2:4], [block(2), block(3)])) == [PutOutcome.EXISTS] * 2
+    assert run(s.alookup(KEYS[:4])).tiers == ["dram"] * 4
+
+
+class HalfDown(MemoryTier):
+    """Fault injection: every second key is unavailable (a cluster node down)."""
+
+    async def put_many(self, spec, keys, payloads):
+        out = await super().put_many(spec, keys[::2], payloads[::2])
+        res = [PutOutcome.UNAVAILABLE] * len(keys)
+        res[::2] = out
+        return res
+
+
+def test_partial_unavailability_keeps_each_outcome(run):
+    s = TieredStore([HalfDown(1 << 20, "l1"), dram(8, "l2")])
+    out = run(s.aput(ID, KEYS[:2], [block(0), block(1)]))
+    assert out[0] is PutOutcome.STORED and out[1] is PutOutcome.STORED  # key 1 fell through to l2
+    assert run(s.alookup(KEYS[:2])).tiers == ["l1", "l2"]
+
+
+def test_prefetch_to_an_unknown_tier_is_a_typed_error(run):
+    s = TieredStore([dram(4)])
+
+    async def go():
+        s.aprefetch(KEYS[:1], to="floppy")
+    with pytest.raises(KVStoreError):
+        run(go())
+
+
+def test_prefetch_counts_only_blocks_that_reached_the_tier(run):
+    s = TieredStore([dram(1), dram(8, "slow")])
+    run(s.tiers[1].put_many(BlockSpec.of(ID), KEYS[:2], [block(0), block(1)]))
+    run(s.aput(ID, [KEYS[5]], [block(5)]))
+    s.pin([KEYS[5]], ttl_s=60)  # DRAM is full of a pinned block
+
+    async def go():
+        return await s.aprefetch(KEYS[:2], to="dram")
+    assert run(go()) == 0 and s.stats.prefetched_blocks == 0

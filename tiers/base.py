@@ -19,7 +19,7 @@ Contract, tested for every tier by ``tests/tiers/contract.py``:
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -89,7 +89,3 @@ class TierOps:
 
     async def stat(self: Tier, key: BlockKey) -> RecordHeader | None:
         return (await self.stat_many([key]))[0]
-
-
-def unique_in_order(keys: Iterable[BlockKey]) -> list[BlockKey]:
-    return list(dict.fromkeys(keys))

@@ -5,8 +5,7 @@ the record header lives in the Python index beside the slot offset, so a put
 is one memcpy into the arena and a get one memcpy out.
 
 No checksum is computed here: DRAM does not tear, and hashing 2 MiB would
-cost ~40% of the copy. A checksum handed in by a slower tier (on promotion)
-is kept in the header and handed on again on demotion.
+cost ~40% of the copy; a slower tier computes its own when a block is demoted.
 
 Threading: coroutine methods run on one event loop; copies run inline (a
 2 MiB memcpy is ~0.1-0.3 ms, cheaper than a thread hop).
@@ -70,28 +69,18 @@ class DramTier(TierOps):
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
 
-    def view(self, key: BlockKey) -> np.ndarray | None:
-        """Zero-copy read-only view of a stored block (valid until it is deleted)."""
-        entry = self._index.get(key)
-        if entry is None:
-            return None
-        off, head = entry
-        out = self._arena[off:off + head.raw_len]
-        out.flags.writeable = False
-        return out
-
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self._index for k in keys]
 
     async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
         return [e[1] if (e := self._index.get(k)) else None for k in keys]
 
-    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey], payloads: Sequence[object],
-                       checksums: Sequence[int | None] | None = None) -> list[PutOutcome]:
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                       payloads: Sequence[object]) -> list[PutOutcome]:
         keys, views = check_batch(spec, keys, payloads, writable=False)
         self._alloc.check(spec.nbytes)
         out = []
-        for i, (key, view) in enumerate(zip(keys, views)):
+        for key, view in zip(keys, views):
             if key in self._index:
                 out.append(PutOutcome.EXISTS)
                 continue
@@ -100,10 +89,7 @@ class DramTier(TierOps):
                 out.append(PutOutcome.NO_SPACE)
                 continue
             self._mv[off:off + spec.nbytes] = view
-            csum = checksums[i] if checksums else None
-            head = make_header(key, spec, view, flags=0, csum=0) if csum is None else \
-                make_header(key, spec, view, csum=csum)
-            self._index[key] = (off, head)
+            self._index[key] = (off, make_header(key, spec, view, flags=0, csum=0))
             out.append(PutOutcome.STORED)
         return out
 
@@ -138,4 +124,4 @@ class DramTier(TierOps):
         return sum(await self.delete_many(doomed))
 
     async def close(self) -> None:
-        self._index.clear()
+        await self.delete_many(list(self._index))  # frees every slot: used_bytes back to 0
