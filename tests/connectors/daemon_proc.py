@@ -1,0 +1,113 @@
+"""A real ``kvstore serve`` process for tests: DRAM + NVMe in a directory,
+a Unix socket, one tenant with a token; stop it with SIGTERM (a graceful
+drain that flushes DRAM to NVMe) and start it again on the same paths.
+
+The daemon runs as ``python -m kvstore serve --config daemon.json``, the
+command a deployment runs, in this interpreter (kvstore's own environment,
+not an engine's). Its log goes to a file in the directory: a pipe nobody
+reads could fill up and stall it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import TierUnavailable
+from kvstore.remote import RemoteConfig, RemoteStore
+
+SUN_PATH_MAX = 107          # bytes a Unix socket path may have (108 with the NUL)
+
+
+class DaemonProc:
+    """One daemon's paths and, while it runs, its process. Not thread-safe.
+
+    ``store`` is the daemon's StoreConfig dict; its ``nvme_path`` defaults
+    to ``root/nvme``. The socket lives in ``root`` unless that path would be
+    too long for a Unix socket, then in a fresh short temporary directory.
+    """
+
+    def __init__(self, root: Path, token: str, tenant: str = "tenant-a",
+                 store: dict[str, Any] | None = None) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.token = token
+        sock = root / "kv.sock"
+        if len(str(sock).encode()) > SUN_PATH_MAX:
+            sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
+        self.url = f"unix://{sock}"
+        self.config = {"store": {"nvme_path": str(root / "nvme"), **(store or {})},
+                       "unix_path": str(sock), "tenants": [{"name": tenant, "token": token}]}
+        self.config_path = root / "daemon.json"
+        self.config_path.write_text(json.dumps(self.config))
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"daemon-{self.starts}.log"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, timeout_s: float = 10.0) -> RemoteStore:
+        return RemoteStore(RemoteConfig(self.url, self.token, timeout_s=timeout_s, shm=False))
+
+    def start(self, timeout_s: float = 30.0) -> DaemonProc:
+        """Spawn the daemon and return once it answers a ping (blocking)."""
+        assert self.proc is None, "already running"
+        self.starts += 1
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root))
+        deadline = time.monotonic() + timeout_s
+        with self.client() as c:
+            while True:
+                if self.proc.poll() is not None:
+                    rc, self.proc = self.proc.returncode, None
+                    raise AssertionError(f"kvstore serve exited with {rc}:\n{self.log()}")
+                try:
+                    c.ping()
+                    return self
+                except TierUnavailable:
+                    if time.monotonic() > deadline:
+                        self.kill()
+                        raise AssertionError(f"kvstore serve did not answer in {timeout_s}s:\n"
+                                             f"{self.log()}") from None
+                    time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain: finish requests, flush DRAM to NVMe, close) and
+        wait; returns the exit status."""
+        assert self.proc is not None, "not running"
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self.kill()
+
+    def close(self) -> None:
+        """Stop gracefully if running, else nothing; SIGKILL if the drain hangs."""
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):   # stop() killed it then
+                self.stop(timeout_s=10)
+
+    def kill(self) -> None:
+        """SIGKILL if still running; idempotent (cleanup after a failure)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        """The daemon store's per-tier counters (hits, puts, used_bytes, ...)."""
+        with self.client() as c:
+            return c.stats()["tiers"]
