@@ -20,11 +20,20 @@ Rules that keep it correct:
 * Deletes append a tombstone (``FLAG_TOMBSTONE``, no payload). Segment ids
   only grow and the scan applies records in (id, offset) order, so the last
   record of a key decides. A tombstone is only needed while an older
-  segment may still hold a put of its key, which gives the reclaim rules:
-  an all-dead segment is unlinked at once if it holds no tombstones or is
-  the oldest; otherwise compaction carries its still-needed tombstones
-  forward first. A delete skips the tombstone only when the record's
-  segment was just unlinked as the oldest one.
+  segment may still hold a put of its key. The tier tracks those dead put
+  records (``_graves``: key -> ids of segments holding one, rebuilt by the
+  scan on open), so a tombstone is needed exactly while its key is not
+  live and some segment older than the tombstone's holds a dead put of it.
+  Once not needed it never is again (new records only go to the newest
+  segment), so it is pruned from ``Segment.tombs``: an all-dead segment
+  whose tombstones are all unneeded is unlinked at once, and compaction
+  carries forward only the needed ones. A delete skips the tombstone when
+  no segment holds a put of the key any more. Rejected: carrying every
+  tombstone of an unindexed key (as this tier first did): in a delete-heavy
+  workload they were never dropped, cycled forward with every compaction
+  and once filled the tier. Rejected: a segment id stored in the tombstone
+  record: the scan on open already rebuilds the graves exactly, so the
+  on-disk format stays as it was.
 * Space: ``used_bytes`` is the sum of segment sizes (live and dead bytes,
   including appends in flight) and never exceeds ``capacity_bytes``. When
   a put needs room the oldest segment is evicted whole (FIFO by segment,
@@ -150,6 +159,8 @@ class NvmeTier(NvmeMaintenance, TierOps):
         self._segments: dict[int, Segment] = {}   # insertion order == id order == age order
         self._index: dict[BlockKey, _Loc] = {}
         self._pending: set[BlockKey] = set()       # puts reserved but not yet written
+        self._graves: dict[BlockKey, set[int]] = {}  # key -> ids of segments holding a dead put of it
+        self._grave_epoch = 0                      # bumped when a segment's graves go: prune tombs again
         self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
         self._active: Segment | None = None
         self._used = 0
@@ -219,6 +230,31 @@ class NvmeTier(NvmeMaintenance, TierOps):
     def _mark_dead(self, loc: _Loc) -> None:
         loc.seg.live_bytes -= loc.nbytes
         loc.seg.keys.pop(loc.header.key, None)
+        self._bury(loc.seg, loc.header.key)
+
+    def _bury(self, seg: Segment, key: BlockKey) -> None:
+        """Note a put record of ``key`` in ``seg`` that the index does not point at
+        (or a failed write that may have reached the disk): until ``seg`` goes,
+        a tombstone of ``key`` written after it must stay."""
+        if not seg.retired:
+            seg.dead.add(key)
+            self._graves.setdefault(key, set()).add(seg.id)
+
+    def _tomb_needed(self, key: BlockKey, seg: Segment) -> bool:
+        """Whether a tombstone of ``key`` in ``seg`` still hides a put: the key is
+        not live (nor being put: that put lands after it) and a segment older
+        than ``seg`` holds a dead put of it. False stays False: new puts go to
+        the newest segment and a live key's records all lie after its tombstones."""
+        if key in self._index or key in self._pending:
+            return False
+        return any(sid < seg.id for sid in self._graves.get(key, ()))
+
+    def _prune_tombs(self, seg: Segment) -> None:
+        """Forget ``seg``'s tombstones that are no longer needed (cheap when the
+        graves have not changed since the last prune)."""
+        if seg.tombs and seg.pruned != self._grave_epoch:
+            seg.tombs = {k: h for k, h in seg.tombs.items() if self._tomb_needed(k, seg)}
+        seg.pruned = self._grave_epoch
 
     def _oldest(self) -> Segment | None:
         return next(iter(self._segments.values()), None)
@@ -227,6 +263,15 @@ class NvmeTier(NvmeMaintenance, TierOps):
         """Forget and unlink a segment (its live keys must already be gone)."""
         del self._segments[seg.id]
         self._used -= seg.size
+        for key in seg.dead:
+            ids = self._graves.get(key)
+            if ids is not None:
+                ids.discard(seg.id)
+                if not ids:
+                    del self._graves[key]
+        if seg.dead:
+            seg.dead = set()
+            self._grave_epoch += 1
         if seg is self._active:
             self._active = None
         seg.retire()
@@ -248,8 +293,10 @@ class NvmeTier(NvmeMaintenance, TierOps):
         for seg in list(self._segments.values()):
             if seg.live_bytes or seg.writing or (seg is self._active and seg.size == 0):
                 continue
-            if seg.tombs and seg is not self._oldest():
-                continue  # its tombstones may hide puts in older segments: compaction carries them
+            if seg is not self._oldest():
+                self._prune_tombs(seg)
+                if seg.tombs:
+                    continue  # they hide puts in older segments: compaction carries them
             freed += seg.size
             self._drop(seg)
         return freed
@@ -325,6 +372,9 @@ class NvmeTier(NvmeMaintenance, TierOps):
             for n, i in enumerate(idx):
                 out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
             if isinstance(res, BaseException):
+                for i in idx:  # a failed write may still have reached the disk
+                    if items[i][1] is None or not items[i][1].flags & FLAG_TOMBSTONE:
+                        self._bury(seg, items[i][0])
                 self.counters.write_errors += 1
                 log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
         return out
@@ -382,11 +432,9 @@ class NvmeTier(NvmeMaintenance, TierOps):
                 start_writeback(fd, first, last - first)
 
     async def _write_tombstones(self, doomed: Sequence[_Loc]) -> None:
-        """Persist deletions. A tombstone is skipped only when the record's segment
-        is gone and no older segment survives that could hold another put of it."""
-        oldest = self._oldest()
-        floor = oldest.id if oldest is not None else self._next_id
-        need = [loc for loc in doomed if not (loc.seg.retired and loc.seg.id < floor)]
+        """Persist deletions. A tombstone is skipped only when no segment holds a
+        put of the key any more (its record's segment was just unlinked)."""
+        need = [loc for loc in doomed if loc.header.key in self._graves]
         items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
         if items:
             for (key, head, _, _), res in zip(items, await self._append(items)):

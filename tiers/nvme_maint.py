@@ -61,6 +61,7 @@ class NvmeCounters:
     compactions: int = 0
     compacted_bytes: int = 0      # live bytes copied forward by compaction
     reclaimed_bytes: int = 0      # segment bytes freed by compaction
+    carried_tombstones: int = 0   # tombstones compaction re-appended (still hiding older puts)
     torn_bytes: int = 0           # torn tails truncated on open
     skipped_bytes: int = 0        # unreadable regions skipped by the scan on open
     write_errors: int = 0
@@ -114,10 +115,22 @@ class NvmeMaintenance:
             log.exception("%s: background compaction failed", self.name)
 
     def _compaction_candidates(self: "NvmeTier") -> list[Segment]:
+        """Sealed segments whose live records plus needed tombstones are below
+        ``compact_ratio`` of their size. Needed tombstones count as live: a
+        segment of them, compacted, would only be written again (the cycle
+        that once filled the tier); it waits until its tombstones die."""
         ratio = self.config.compact_ratio
-        return [s for s in self._segments.values()
-                if s is not self._active and not s.writing and s.size
-                and (s.live_bytes == 0 or s.live_bytes < ratio * s.size)]
+        out = []
+        for s in self._segments.values():
+            if s is self._active or s.writing or not s.size:
+                continue
+            if s.live_bytes and s.live_bytes >= ratio * s.size:
+                continue
+            self._prune_tombs(s)
+            kept = s.live_bytes + HEADER_BYTES * len(s.tombs)
+            if kept == 0 or kept < ratio * s.size:
+                out.append(s)
+        return out
 
     def _room_to_compact(self: "NvmeTier", seg: Segment) -> bool:
         return self._used + seg.live_bytes + HEADER_BYTES * len(seg.tombs) <= self._capacity
@@ -187,8 +200,10 @@ class NvmeMaintenance:
                 self._mark_dead(old)
                 self._add_live(res)
                 self.counters.compacted_bytes += res.nbytes
-            elif key not in self._index and key not in self._pending:
-                stale.append(res)
+            else:
+                self._bury(res.seg, key)   # a dead copy on disk: later tombstones must hide it
+                if key not in self._index and key not in self._pending:
+                    stale.append(res)
         # The key left the index while the copy was written: its source segment was
         # evicted (FIFO, by a put that ran meanwhile), or it was deleted and the
         # delete wrote no tombstone because the source, then all dead and the
@@ -202,13 +217,13 @@ class NvmeMaintenance:
             await self._drop_corrupt([loc for loc, _ in bad])
 
     async def _carry_tombstones(self: "NvmeTier", seg: Segment) -> bool:
-        """Re-append the tombstones of ``seg`` that may still hide a put in an
-        older segment. Not needed when ``seg`` is the oldest, or the key was put
-        again since (or is being put now). True if all needed ones were written."""
+        """Re-append the tombstones of ``seg`` that still hide a put in an older
+        segment (see ``_tomb_needed``); the others die with ``seg``. True if all
+        needed ones were written."""
         if seg is self._oldest() or not seg.tombs:
             return True
-        carry = [(k, h, b"", None) for k, h in seg.tombs.items()
-                 if k not in self._index and k not in self._pending]
+        carry = [(k, h, b"", None) for k, h in seg.tombs.items() if self._tomb_needed(k, seg)]
+        self.counters.carried_tombstones += len(carry)
         ok = True
         for (key, head, _, _), res in zip(carry, await self._append(carry)):
             if isinstance(res, _Loc) and not res.seg.retired:

@@ -54,10 +54,12 @@ class Segment:
     worker operations in flight on ``fd``: a retired segment is unlinked at
     once but its fd is closed only when the last pin goes, so a worker never
     reads a recycled descriptor. ``writing`` counts in-flight appends: a
-    segment being appended to is never dropped as empty.
+    segment being appended to is never dropped as empty. ``dead`` holds the
+    keys of put records here that the index no longer points at: while the
+    segment exists, a tombstone of such a key written after it is needed.
     """
 
-    __slots__ = ("id", "path", "fd", "size", "live_bytes", "keys", "tombs", "pins",
+    __slots__ = ("id", "path", "fd", "size", "live_bytes", "keys", "dead", "tombs", "pruned", "pins",
                  "writing", "retired", "dir_synced")
 
     def __init__(self, seg_id: int, path: str, fd: int, size: int = 0) -> None:
@@ -67,7 +69,9 @@ class Segment:
         self.size = size
         self.live_bytes = 0
         self.keys: dict[BlockKey, None] = {}   # live keys in append order (an ordered set)
-        self.tombs: dict[BlockKey, RecordHeader] = {}   # tombstones written here, by key
+        self.dead: set[BlockKey] = set()      # keys of dead put records in this file
+        self.tombs: dict[BlockKey, RecordHeader] = {}   # tombstones here that may be needed
+        self.pruned = -1                      # the tier's grave epoch when tombs was last pruned
         self.pins = 0
         self.writing = 0
         self.retired = False
