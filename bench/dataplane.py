@@ -197,13 +197,12 @@ def _dram_tier(cfg: DataPlaneConfig, blocks: int, name: str = "dram"):
 async def _nvme_tier(cfg: DataPlaneConfig, blocks: int, path: str):
     from kvstore.tiers.nvme import NvmeConfig, NvmeTier
     live = blocks * (HEADER_BYTES + cfg.block_bytes)
-    # The replay deletes a lot (every drop the simulator decides), and each
-    # compaction re-appends its segment's tombstones: at the tier's default
-    # compact_ratio 0.5 that churn took ~100 s of a 2-minute regime replay of
-    # the Mooncake trace (and once filled the tier, which FIFO-evicted live
-    # blocks). Compacting only 90%-dead segments cut it to ~20 s; dead bytes
-    # may then reach ~10x live, hence 15x live + 8 segments (~330 MB of disk
-    # for 10M tokens at 2 B/token).
+    # The replay deletes a lot (every drop the simulator decides). The tier
+    # must never FIFO-evict a live block (the data plane would report it
+    # missing), so it compacts only 90%-dead segments and gets room for dead
+    # bytes up to ~10x live: 15x live + 8 segments (~330 MB of disk for 10M
+    # tokens at 2 B/token). Chosen when compaction still re-carried every
+    # tombstone (fixed since); kept because it bounds compaction work per drop.
     seg = max(256 << 10, min(64 << 20, live // 8))
     return await NvmeTier.open(NvmeConfig(path=path, capacity_bytes=15 * live + 8 * seg,
                                           segment_bytes=seg, compact_ratio=0.1))
