@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvstore.bench import lmcache_tiers
 from kvstore.bench import tiers as tb
 from kvstore.units import format_size
 
@@ -39,20 +40,34 @@ def render(rows: Sequence[dict], command: str) -> Table:
 
 def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int, blocks: int,
                    repeats: int, batch: int, nvme_path: str | None, redis_url: str | None,
-                   json_path: str | None, argv: Sequence[str]) -> list[dict]:
+                   json_path: str | None, argv: Sequence[str], peer: str | None = None,
+                   peer_python: str | None = None) -> list[dict]:
     cfg = tb.TierBenchConfig(tiers=tiers, block_bytes=block_bytes, blocks=blocks, repeats=repeats,
                              batch=batch, nvme_path=nvme_path, redis_url=redis_url)
     command = "kvstore " + " ".join(shlex.quote(a) for a in argv[1:])
+    if peer:   # fail on a missing peer before spending minutes on our own tiers
+        mirrored, python = lmcache_tiers.peer_tiers(cfg), lmcache_tiers.find_peer_python(peer_python)
     rows: list[dict] = []
+    summary = None
     with Progress(console=console, transient=True) as progress:
         for name in cfg.tiers:
             task = progress.add_task(f"{name}: {repeats} x {blocks} blocks of {format_size(block_bytes)}",
                                      total=repeats)
             rows += _runner(name)(cfg, lambda t=task: progress.advance(t))
+        if peer:
+            task = progress.add_task(f"{peer} (its own storage, in {python})", total=repeats * len(mirrored))
+            peer_rows, info = lmcache_tiers.run_peer(cfg, python, lambda: progress.advance(task))
+            summary = lmcache_tiers.peer_summary(rows, peer_rows, info)
+            rows += peer_rows
     console.print(render(rows, command))
+    if summary:
+        console.print(lmcache_tiers.summary_line(summary), markup=False, highlight=False)
     if json_path:
+        doc = {"rows": rows, "command": command, "config": {
+            "tiers": list(tiers), "block_bytes": block_bytes, "blocks": blocks,
+            "repeats": repeats, "batch": batch, "peer": peer}}
+        if summary:
+            doc["peer"] = summary
         with open(json_path, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows, "command": command, "config": {
-                "tiers": list(tiers), "block_bytes": block_bytes, "blocks": blocks,
-                "repeats": repeats, "batch": batch}}, f, indent=2)
+            json.dump(doc, f, indent=2)
     return rows

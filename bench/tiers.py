@@ -3,8 +3,10 @@ same bytes, measured in the same run, repeat by repeat (tier and raw
 interleaved, so both see the same machine noise).
 
 Raw limits: numpy memcpy between pre-touched buffers (DRAM); sequential file
-writes with the same durability and reads from the same page-cache state
-(NVMe: posix_fadvise DONTNEED before every timed read, tier and raw alike);
+writes into a fresh file with the same durability (NVMe put: fdatasync per
+batch; put-nosync: the tier's default durability, page cache only) and reads
+from the same page-cache state (posix_fadvise DONTNEED before every timed
+read, tier and raw alike);
 raw redis-py (Redis); raw cupy pinned<->device copies (HBM).
 """
 from __future__ import annotations
@@ -120,7 +122,7 @@ def bench_dram(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
 
 
 # -- NVMe -----------------------------------------------------------------------
-def _raw_file_write(path: str, blocks: list[np.ndarray], batch: int, writeback: bool) -> None:
+def raw_file_write(path: str, blocks: list[np.ndarray], batch: int, writeback: bool) -> None:
     """Sequential writes of header+payload pairs, one fdatasync per batch: the
     tier's durability. ``writeback`` starts disk write-back after each block
     (sync_file_range), which lets the disk work while later blocks are copied."""
@@ -141,7 +143,19 @@ def _raw_file_write(path: str, blocks: list[np.ndarray], batch: int, writeback: 
         os.close(fd)
 
 
-def _raw_file_read(path: str, dsts: list[np.ndarray]) -> None:
+def raw_file_write_unsynced(path: str, blocks: list[np.ndarray]) -> None:
+    """Sequential header+payload writes into the page cache, never synced."""
+    header = b"\0" * HEADER_BYTES
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        for b in blocks:
+            off += os.pwritev(fd, [header, b], off)
+    finally:
+        os.close(fd)
+
+
+def raw_file_read(path: str, dsts: list[np.ndarray]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         off = 0
@@ -153,12 +167,22 @@ def _raw_file_read(path: str, dsts: list[np.ndarray]) -> None:
         os.close(fd)
 
 
-def _drop_file_cache(path: str) -> None:
+def drop_file_cache(path: str) -> None:
+    """posix_fadvise(DONTNEED): the file's next reads come from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def remove_file(path: str) -> None:
+    """Untimed, before a raw write: every write goes into a fresh file, as the
+    tiers' do (truncating a large file first costs the truncation, on ext4 a lot)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
@@ -170,7 +194,7 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
     dst = make_blocks(n, bb, seed=1)
     raw_path = os.path.join(root, "raw.bin")
     loop = asyncio.new_event_loop()
-    put, get, raw_get, outs = [], [], [], []
+    put, get, raw_get, outs, put_nosync, raw_nosync = [], [], [], [], [], []
     raw_put: dict[bool, list[float]] = {False: [], True: []}
     try:
         for rep in range(cfg.repeats):
@@ -178,17 +202,22 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
             tier = NvmeTier(NvmeConfig(path=tier_dir, capacity_bytes=2 * n * (bb + 4096) + (256 << 20),
                                        durability="fsync"))
             for wb in (False, True):
-                raw_put[wb].append(timed(lambda: _raw_file_write(raw_path, src, cfg.batch, wb), n * bb))
+                remove_file(raw_path)
+                raw_put[wb].append(timed(lambda: raw_file_write(raw_path, src, cfg.batch, wb), n * bb))
             put.append(timed(lambda: outs.append(_batched(loop, tier.put_many, spec, keys, src,
                                                            cfg.batch)), n * bb))
-            _drop_file_cache(raw_path)
-            raw_get.append(timed(lambda: _raw_file_read(raw_path, dst), n * bb))
+            drop_file_cache(raw_path)
+            raw_get.append(timed(lambda: raw_file_read(raw_path, dst), n * bb))
             tier.drop_page_cache()
             get.append(timed(lambda: outs.append(_batched(loop, tier.get_into_many, spec, keys, dst,
                                                            cfg.batch)), n * bb))
             _check_outs(outs)
             loop.run_until_complete(tier.close())
             shutil.rmtree(tier_dir, ignore_errors=True)
+            put_nosync.append(_nvme_put_unsynced(loop, cfg, os.path.join(root, f"nosync{rep}"), keys, src))
+            remove_file(raw_path)
+            raw_nosync.append(timed(lambda: raw_file_write_unsynced(raw_path, src), n * bb))
+            os.sync()           # untimed: no dirty pages left for the next repeat
             tick()
     finally:
         loop.close()
@@ -197,4 +226,25 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
     best = max((False, True), key=lambda wb: statistics.median(raw_put[wb]))
     put_row = row("nvme", "put", bb, put, raw_put[best])
     put_row["raw_method"] = "pwritev+sync_file_range+fdatasync" if best else "pwritev+fdatasync"
-    return [put_row, row("nvme", "get", bb, get, raw_get)]
+    nosync_row = row("nvme", "put-nosync", bb, put_nosync, raw_nosync)
+    nosync_row["raw_method"] = "pwritev (no sync)"
+    nosync_row["durability"] = "none: acknowledged once in the page cache (the tier's default)"
+    return [put_row, nosync_row, row("nvme", "get", bb, get, raw_get)]
+
+
+def _nvme_put_unsynced(loop, cfg: TierBenchConfig, tier_dir: str, keys: list[bytes],
+                       src: list[np.ndarray]) -> float:
+    """GB/s of puts into an NVMe tier with durability none (no fdatasync)."""
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
+
+    n, bb = cfg.blocks, cfg.block_bytes
+    tier = NvmeTier(NvmeConfig(path=tier_dir, capacity_bytes=2 * n * (bb + 4096) + (256 << 20)))
+    outs: list = []
+    try:
+        gbps = timed(lambda: outs.append(_batched(loop, tier.put_many, BlockSpec.raw(bb), keys, src,
+                                                  cfg.batch)), n * bb)
+        checked(outs[0], (PutOutcome.STORED,), "put-nosync")
+        return gbps
+    finally:
+        loop.run_until_complete(tier.close())
+        shutil.rmtree(tier_dir, ignore_errors=True)

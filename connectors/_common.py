@@ -36,6 +36,23 @@ from kvstore.identity import CacheIdentity, KVLayout
 log = logging.getLogger("kvstore.connectors")
 T = TypeVar("T")
 
+
+def engine_logging() -> None:
+    """Inside an engine process (whose logging the engine owns): only when
+    KVSTORE_LOG_LEVEL is set, give kvstore's loggers a stderr handler at that
+    level, once per process. vLLM starts workers as fresh processes, so a
+    parent's logging setup never reaches them; the environment does."""
+    from kvstore import settings  # noqa: PLC0415
+
+    s, root = settings.load(), logging.getLogger("kvstore")
+    if not s.log_level_set or getattr(root, "_kvstore_engine_handler", False):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(s.log_level)
+    root._kvstore_engine_handler = True
+
 # identity fields a user may set in the connector config; the engine supplies
 # the rest (model, layout, dtype, shard) and they cannot be overridden, since a
 # wrong layout would make every load garbage.

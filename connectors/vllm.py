@@ -44,6 +44,7 @@ and shared by both sides in one process (see ``shared_store``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ from kvstore.connectors._common import (
     attention_kind,
     build_identity,
     dtype_name,
+    engine_logging,
     process_local_tiers,
     rope_fields,
     shared_store,
@@ -196,6 +198,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        engine_logging()
         self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         self.store = shared_store(self.config.store)
         self.guard = StoreGuard(f"vllm-{role.name.lower()}")
@@ -261,9 +264,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self.config.load:
             return 0, False
         st = self._state(request)
-        usable = (request.num_tokens - 1) // self.block_size   # vLLM must compute >= 1 token
-        st.hit_blocks = self._stored_prefix(self._keys(st, usable))
-        new = st.hit_blocks * self.block_size - num_computed_tokens
+        st.hit_blocks = self._stored_prefix(self._keys(st, request.num_tokens // self.block_size))
+        # vLLM must compute at least the last token: when every block of the
+        # prompt is stored, all are loaded and only that token is recomputed
+        # (its slot is rewritten with the same value), not its whole block
+        hit_tokens = min(st.hit_blocks * self.block_size, request.num_tokens - 1)
+        new = hit_tokens - num_computed_tokens
         if new <= 0 or st.hit_blocks - num_computed_tokens // self.block_size < self.config.min_load_blocks:
             return 0, False
         return new, False
@@ -274,7 +280,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         st.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens > 0:
             end = st.hit_blocks
-            first = end - num_external_tokens // self.block_size
+            first = end - -(-num_external_tokens // self.block_size)   # the last may be partial
             st.load = (first, end)
             st.saved_upto = max(st.saved_upto, end)
 
@@ -377,10 +383,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker.gather(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
+        started, n = time.perf_counter(), 0
         for plan, blocks in self.worker.finish_saves():
             ident = self._plan_identity(plan)
             keys = [BlockKey(k) for k in plan.keys[self.rank]]
             self.guard.call("put", lambda i=ident, k=keys, b=blocks: self.store.put(i, k, list(b)), None)
+            n += len(keys)
+        if n:
+            log.debug("kvstore: saved %d blocks in %.1f ms", n, 1e3 * (time.perf_counter() - started))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.worker.load_errors = self.worker.load_errors, set()
@@ -407,7 +417,8 @@ class _Worker:
         self.index: dict[str, int] = {}
         self.load_errors: set[int] = set()
         self._saves: list[BlockPlan] = []
-        self._staging: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None      # this step's slice of _save_buf
+        self._save_buf: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
         self._gathered: set[int] = set()
         self._dropped: set[str] = set()
@@ -447,22 +458,41 @@ class _Worker:
              block_ids: list[int]) -> bool:
         """Read ``keys`` and scatter them into ``block_ids`` of every layer.
 
-        Blocks that did not arrive (missing, corrupt, store down) are recorded
-        in ``load_errors`` and their vLLM blocks left untouched. Returns
-        whether every block arrived.
+        The store hands over each batch where it landed (the daemon's shared
+        memory: no copy out into a staging buffer) and the blocks go straight
+        into vLLM's cache. Blocks that did not arrive (missing, corrupt, store
+        down) are recorded in ``load_errors`` and their vLLM blocks left
+        untouched. Returns whether every block arrived.
         """
         n = len(keys)
-        buf = np.empty((n, ident.layout.block_bytes), dtype=np.uint8)
-        res = guard.call("get", lambda: store.get_into(ident, keys, list(buf)),
+        started, scatter_s = time.perf_counter(), 0.0
+
+        def scatter(first: int, blocks: np.ndarray, reasons: list) -> None:
+            nonlocal scatter_s
+            t = time.perf_counter()
+            rows = [i for i, r in enumerate(reasons) if r is None]
+            if rows:
+                self._scatter(blocks, rows, [block_ids[first + i] for i in rows])
+            scatter_s += time.perf_counter() - t
+
+        res = guard.call("get", lambda: store.get_views(ident, keys, scatter),
                          [MissReason.TIER_UNAVAILABLE] * n)
-        hits = [i for i, r in enumerate(res) if r is None]
+        hits = sum(r is None for r in res)
         self.load_errors.update(block_ids[i] for i, r in enumerate(res) if r is not None)
-        if hits:
-            src = self._block_view(n, buf)[hits]
-            dst = torch.tensor([block_ids[i] for i in hits], dtype=torch.long)
+        log.debug("kvstore: loaded %d of %d blocks (%.1f MiB) in %.1f ms, %.1f ms of it scattering",
+                  hits, n, n * ident.layout.block_bytes / 2**20,
+                  1e3 * (time.perf_counter() - started), 1e3 * scatter_s)
+        return hits == n
+
+    def _scatter(self, blocks: np.ndarray, rows: list[int], dst: list[int]) -> None:
+        """Copy ``blocks[rows]`` into vLLM blocks ``dst`` of every layer, one
+        slice copy per run of consecutive rows landing on consecutive blocks
+        (vLLM hands out block ids in runs; a gather-scatter per block is slower)."""
+        src = self._block_view(len(blocks), blocks)
+        for row, at, length in _runs(rows, dst):
             for li, layer in enumerate(self.layers):
-                layer[dst.to(layer.device)] = src[:, li].to(layer.device)
-        return len(hits) == n
+                part = src[row:row + length, li]
+                layer[at:at + length].copy_(part if layer.device.type == "cpu" else part.to(layer.device))
 
     # -- save --------------------------------------------------------------------
     def begin_saves(self, saves: list[BlockPlan]) -> None:
@@ -474,10 +504,12 @@ class _Worker:
             self._staging, self._ids = None, None
             return
         first = self.layers[0]
-        # pinned host staging where CUDA exists, so the gathers are DMA copies
-        pin = first.is_cuda
-        self._staging = torch.empty((n, len(self.layers), *first.shape[1:]), dtype=first.dtype,
-                                    pin_memory=pin)
+        shape = (len(self.layers), *first.shape[1:])
+        if self._save_buf is None or self._save_buf.shape[0] < n:
+            # pinned host staging where CUDA exists, so the gathers are DMA copies;
+            # kept across steps (grown, never shrunk) so its pages are faulted in once
+            self._save_buf = torch.empty((n, *shape), dtype=first.dtype, pin_memory=first.is_cuda)
+        self._staging = self._save_buf[:n]
         self._ids = torch.tensor([b for p in saves for b in p.block_ids], dtype=torch.long,
                                  device=first.device)
 
@@ -513,3 +545,14 @@ class _Worker:
                 out.append((plan, flat[at:at + len(plan.block_ids)]))
             at += len(plan.block_ids)
         return out
+
+
+def _runs(rows: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first destination, length) of each stretch where both step by one."""
+    out: list[tuple[int, int, int]] = []
+    for r, d in zip(rows, dst):
+        if out and out[-1][0] + out[-1][2] == r and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((r, d, 1))
+    return out

@@ -126,7 +126,13 @@ def bench() -> None:
 @click.option("--nvme-path", default=None, help="Directory for the NVMe tier (default: a temp dir).")
 @click.option("--redis-url", default=None, help="Redis URL for the redis tier (or KVSTORE_REDIS_URL).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write rows here.")
-def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path) -> None:
+@click.option("--peer", type=click.Choice(["lmcache"]), default=None,
+              help="Also run a peer's own storage on the same blocks, as extra rows "
+                   "(lmcache: its LocalCPUBackend beside dram, LocalDiskBackend beside nvme).")
+@click.option("--peer-python", default=None, type=click.Path(dir_okay=False),
+              help="Interpreter that can import the peer (default: this one, else .venv-vllm/bin/python).")
+def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path, peer,
+                peer_python) -> None:
     """Put/get GB/s per tier beside the raw limit measured in the same run."""
     from kvstore.bench.tier_cli import run_tier_bench  # noqa: PLC0415
 
@@ -134,7 +140,7 @@ def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url,
         run_tier_bench(console, tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
                        block_bytes=block_size, blocks=blocks, repeats=repeats, batch=batch,
                        nvme_path=nvme_path, redis_url=redis_url or settings.load().redis_url,
-                       json_path=json_path, argv=sys.argv)
+                       json_path=json_path, argv=sys.argv, peer=peer, peer_python=peer_python)
     except KVStoreError as exc:
         _fail(exc)
 

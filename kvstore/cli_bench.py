@@ -1,6 +1,7 @@
-"""`kvstore bench replay` and `kvstore bench sweep` (registered on the bench group)."""
+"""`kvstore bench replay`, `sweep` and `vllm` (registered on the bench group)."""
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 
@@ -117,3 +118,65 @@ def sweep(json_path, seed, working_set, duration, tenants, families, fork_prob, 
         console.print(f"goals: {res['goals']}")
     except KVStoreError as exc:
         _fail(exc)
+
+
+@bench.command("vllm")
+@click.option("--peer", type=click.Choice(["lmcache"]), default=None,
+              help="Also run the same rows for a peer store (LMCache's multiprocess server).")
+@click.option("--prompts", default=3, show_default=True, type=click.IntRange(1),
+              help="Different prompts per row (median and min-max over them).")
+@click.option("--prompt-tokens", default=4096, show_default=True, type=click.IntRange(64))
+@click.option("--block-size", default=32, show_default=True, help="vLLM block size (a multiple of 32).")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(1), help="Model layers.")
+@click.option("--hidden", default=512, show_default=True, type=click.IntRange(64), help="Model hidden size.")
+@click.option("--cpu-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for every row [default: all cores].")
+@click.option("--vllm-python", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Interpreter with vllm (default: this one, else .venv-vllm).")
+@click.option("--logprob-tol", default=1e-4, show_default=True,
+              help="Largest first-token logprob difference from the plain row.")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="Keep engine logs, specs and store files here (default: a temp dir, removed).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bind, vllm_python,
+               logprob_tol, workdir, json_path) -> None:
+    """TTFT in real vLLM: plain, then kvstore cold / warm (same engine, fresh engine,
+    after a store restart from NVMe), optionally beside LMCache's same rows."""
+    from kvstore.bench.llama_model import MEDIUM  # noqa: PLC0415
+    from kvstore.bench.vllm_bench import VllmBenchConfig, run_vllm_bench  # noqa: PLC0415
+
+    try:
+        model = dict(MEDIUM, num_hidden_layers=layers, hidden_size=hidden,
+                     intermediate_size=3 * hidden)
+        cfg = VllmBenchConfig(prompt_tokens=prompt_tokens, prompts=prompts, block_size=block_size,
+                              model=model, peer=peer, cpu_bind=cpu_bind, vllm_python=vllm_python,
+                              logprob_tol=logprob_tol, workdir=workdir)
+        with console.status("starting") as status:
+            res = run_vllm_bench(cfg, say=lambda m: (status.update(m), console.log(m)))
+        res["command"] = _command()
+        if json_path:
+            with open(json_path, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+        console.print(render_vllm_table(res))
+        if res["goals"]:
+            console.print(f"goals: {res['goals']}")
+    except KVStoreError as exc:
+        _fail(exc)
+    if res["problems"]:
+        click.echo("FAILED: " + "; ".join(res["problems"]), err=True)
+        sys.exit(1)
+
+
+def render_vllm_table(res: dict):
+    from rich.table import Table  # noqa: PLC0415
+
+    plain = res["rows"][0]["ttft_median_s"]
+    table = Table(title=f"kvstore bench vllm: TTFT over {res['setup']['prompts']} prompts of "
+                        f"{res['setup']['prompt_tokens']} tokens (median \\[min-max])",
+                  caption=res.get("command"))
+    for col in ("engine", "case", "TTFT s", "vs plain", "cached tokens"):
+        table.add_column(col, justify="left" if col in ("engine", "case") else "right")
+    for r in res["rows"]:
+        table.add_row(r["engine"], r["case"],
+                      f"{r['ttft_median_s']:.3f} [{r['ttft_min_s']:.3f}-{r['ttft_max_s']:.3f}]",
+                      f"{plain / r['ttft_median_s']:.1f}x", str(r["cached_tokens"]))
+    return table

@@ -54,6 +54,7 @@ from kvstore.protocol import (
     ProtocolError,
     error_meta,
     frame,
+    populated_mmap,
     unpack_header,
     unpack_meta,
 )
@@ -400,7 +401,7 @@ class Daemon:
         try:
             if os.fstat(fd).st_size != size:
                 raise KVStoreError("shared-memory segment size mismatch")
-            mapped = mmap.mmap(fd, size)
+            mapped = populated_mmap(fd, size)
         finally:
             os.close(fd)
         if conn.shm_map is not None:

@@ -50,6 +50,7 @@ from kvstore.protocol import (
     ProtocolError,
     frame,
     parse_url,
+    populated_mmap,
     raise_error,
     unpack_header,
     unpack_meta,
@@ -141,13 +142,15 @@ class _Connection:
         """A shared segment of at least ``nbytes``, attached to the daemon."""
         if self.shm is not None and self.shm.nbytes >= nbytes:
             return self.shm
-        size = max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0), 8 << 20)
+        # the first segment already holds the largest batch one call sends, so a
+        # connection grows at most once more (a single huge block)
+        size = max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0), self.cfg.max_batch_bytes)
         name = "kvstore-shm-" + secrets.token_hex(16)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            mapped = mmap.mmap(fd, size)
+            mapped = populated_mmap(fd, size)
             self.call(Op.SHM_ATTACH, {"name": name, "size": size})
         finally:
             os.close(fd)
@@ -328,6 +331,39 @@ class RemoteStore:
                 _recv_exact(conn.sock, v)
 
         return conn.call(Op.GET, meta, on_payload=receive)
+
+    def get_views(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  consume: Callable[[int, np.ndarray, list[MissReason | None]], None]
+                  ) -> list[MissReason | None]:
+        """Like ``get_into`` without the copy out: per batch, ``consume(first,
+        blocks, reasons)`` gets the blocks ``first..first+len(reasons)`` as one
+        ``[m, block_bytes]`` array straight in the shared-memory segment the
+        daemon filled (rows of misses hold garbage). ``blocks`` is valid only
+        during the call; copy what you keep. Without shared memory it is a
+        private buffer, received into as ``get_into`` does."""
+        spec = BlockSpec.of(identity)
+        keys = [check_key(k) for k in keys]
+        ident = _identity_bytes(identity)
+        out: list[MissReason | None] = []
+        for part in self._chunks(len(keys), spec.nbytes):
+            ks = keys[part.start:part.stop]
+            out.extend(self._with_conn(
+                lambda c, ks=ks, first=part.start: self._views_on(c, ident, ks, spec.nbytes, first, consume)))
+        return out
+
+    def _views_on(self, conn: _Connection, ident: bytes, keys: list, nbytes: int, first: int,
+                  consume: Callable) -> list[MissReason | None]:
+        size = len(keys) * nbytes
+        if conn.shm_ok:
+            shm = conn.shared(size)
+            r = conn.call(Op.GET, {"identity": ident, "keys": keys, "shm": True})
+            blocks = shm[:size].reshape(len(keys), nbytes)
+        else:
+            blocks = np.empty((len(keys), nbytes), dtype=np.uint8)
+            r = self._get_on(conn, ident, keys, list(blocks), nbytes)
+        reasons = [None if x is None else MissReason(x) for x in r["reasons"]]
+        consume(first, blocks, reasons)
+        return reasons
 
     def get(self, identity: CacheIdentity, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
         dsts = [np.empty(identity.layout.block_bytes, dtype=np.uint8) for _ in keys]

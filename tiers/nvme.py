@@ -82,7 +82,7 @@ __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 MIN_CAPACITY_BYTES = 4096
-_WRITEBACK_CHUNK = 8 << 20   # bytes per pwritev before writeback is started (fsync mode)
+_WRITE_CHUNK = 2 << 20       # bytes per pwritev: checksummed just before, so still in cache
 _PAGE = 4096
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,9 @@ class NvmeTier(NvmeMaintenance, TierOps):
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvstore-{self.name}")
+        # the second stage of each appending worker's pipeline (see _write_group);
+        # its threads never wait on anything, so workers waiting on them cannot deadlock
+        self._writers = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvstore-{self.name}-w")
 
     @classmethod
     async def open(cls, config: NvmeConfig) -> "NvmeTier":
@@ -398,26 +401,37 @@ class NvmeTier(NvmeMaintenance, TierOps):
                      ) -> list[RecordHeader]:
         """Worker: headers (checksums) for puts, pwritev, fdatasync under fsync.
 
-        Under fsync the group goes out in ~8 MiB chunks, each followed by
-        :func:`start_writeback`, so the disk works while the next chunk is
-        checksummed and copied; one fdatasync at the end is the durability
-        point. Without fsync it is one pwritev (write-back is the kernel's).
+        A two-stage pipeline: this worker checksums ~2 MiB chunks while a
+        writer thread copies the previous chunk into the file (xxhash holds
+        the GIL, pwritev does not, so the two overlap; one pwritev of a whole
+        batch after all its checksums read every payload from memory twice and
+        ran at ~0.55x of a raw write). Chunks are written strictly in order,
+        so a crash can only tear the group's tail, which the open scan
+        truncates. Under fsync each chunk is followed by
+        :func:`start_writeback`, so the disk works meanwhile; one fdatasync
+        at the end is the durability point.
         """
         if not seg.dir_synced:  # a new file's name must be durable before its records are
             os.fsync(self._dir_fd)
             seg.dir_synced = True
         heads: list[RecordHeader] = []
         bufs: list[object] = []
-        start = offset
-        for key, head, payload, spec in items:
-            if head is None:
-                head = make_header(key, spec, payload)
-            heads.append(head)
-            bufs += (head.pack(), payload)
-            offset += HEADER_BYTES + head.stored_len
-            if self._fsync and offset - start >= _WRITEBACK_CHUNK:
-                self._write_chunk(seg.fd, bufs, start, offset)
-                bufs, start = [], offset
+        start, writing = offset, None
+        try:
+            for key, head, payload, spec in items:
+                if head is None:
+                    head = make_header(key, spec, payload)
+                heads.append(head)
+                bufs += (head.pack(), payload)
+                offset += HEADER_BYTES + head.stored_len
+                if offset - start >= _WRITE_CHUNK:
+                    if writing is not None:
+                        writing.result()
+                    writing = self._writers.submit(self._write_chunk, seg.fd, bufs, start, offset)
+                    bufs, start = [], offset
+        finally:
+            if writing is not None:   # never return (or raise) with a write still in flight
+                writing.result()
         if bufs:
             self._write_chunk(seg.fd, bufs, start, offset)
         if self._fsync:
@@ -600,6 +614,7 @@ class NvmeTier(NvmeMaintenance, TierOps):
             await asyncio.gather(self._compactor, return_exceptions=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._pool.shutdown, True)
+        await loop.run_in_executor(None, self._writers.shutdown, True)
         if self._active is not None and self._active.fd >= 0:
             await loop.run_in_executor(None, os.fdatasync, self._active.fd)
         self._close_files()

@@ -58,6 +58,7 @@ B = list(A)
 B[2 * BS + 5] = 4 + (B[2 * BS + 5] - 4 + 1) % (VOCAB - 4)   # one token changed in block 2
 C = prompt(1, 100)                       # 3 sealed blocks, under its own salt
 C_SALT = "tenant-c"
+D = prompt(2, 4 * BS)                    # exactly 4 blocks: all stored, all loadable
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,12 @@ def runs(tmp_path_factory):
         conn = {"store": store, "identity": {"model_revision": "test"}}
         gen = lambda i, t, salt=None: {"op": "generate", "id": i, "tokens": t, "salt": salt}
         spec = {"model": str(model), "engines": [
-            {"name": "plain", "connector": None, "steps": [gen("A", A), gen("B", B), gen("C", C)]},
-            {"name": "saver", "connector": conn, "steps": [gen("A", A), gen("C", C, C_SALT)]},
+            {"name": "plain", "connector": None, "steps": [gen("A", A), gen("B", B), gen("C", C),
+                                                           gen("D", D)]},
+            {"name": "saver", "connector": conn, "steps": [gen("A", A), gen("C", C, C_SALT),
+                                                           gen("D", D)]},
             {"name": "loader", "connector": conn, "prefix_caching": False, "steps": [
-                gen("A", A), gen("B", B), gen("A_other_salt", A, "tenant-x"),
+                gen("A", A), gen("B", B), gen("D", D), gen("A_other_salt", A, "tenant-x"),
                 {"op": "corrupt_redis", "url": server.url, "group_size": 3},
                 gen("C_corrupt", C, C_SALT), gen("C_again", C, C_SALT)]},
             {"name": "down", "connector": {**conn, "store": {
@@ -125,6 +128,12 @@ def test_fresh_engine_loads_the_shared_prefix_and_emits_the_plain_tokens(runs):
     got = runs["loader"]["A"]
     assert got["cached"] == 6 * BS                    # every sealed block but the partial tail
     assert got["tokens"] == runs["plain"]["A"]["tokens"]
+
+
+def test_a_prompt_of_whole_blocks_loads_all_and_recomputes_one_token(runs):
+    got = runs["loader"]["D"]
+    assert got["cached"] == 4 * BS - 1                # vLLM computes the last token itself
+    assert got["tokens"] == runs["plain"]["D"]["tokens"]
 
 
 def test_one_token_change_in_block_2_loads_exactly_2_blocks(runs):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.connectors.daemon_proc import DaemonProc
+from kvstore.daemon_proc import DaemonProc
 from tests.connectors.test_vllm import (
     BS,
     C_SALT,

