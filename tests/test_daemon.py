@@ -209,6 +209,29 @@ def test_get_misses_leave_destinations_alone_and_report_reasons(served, shm):
         assert c.ping()["ok"]  # the connection survived the bad input
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])
+def test_get_views_hands_over_each_batch_in_place(served, shm):
+    """get_views: the same bytes and reasons as get_into, in batches that cover
+    every block once; over shm the batch lives in the shared segment itself."""
+    keys, blocks = blocks_for(23, n=10)
+    with client(served.url, shm=shm, max_batch_bytes=4 * BB) as c:
+        assert c.put(IDENT, keys[:7], blocks[:7]) == [PutOutcome.STORED] * 7
+        seen: dict[int, np.ndarray] = {}
+        firsts = []
+
+        def consume(first, arr, reasons):
+            firsts.append(first)
+            assert arr.shape == (len(reasons), BB)
+            for i, r in enumerate(reasons):
+                if r is None:
+                    seen[first + i] = arr[i].copy()   # the view dies with the call
+        res = c.get_views(IDENT, keys, consume)
+        assert firsts == [0, 4, 8]                     # 4 blocks per batch
+        assert res == [None] * 7 + [MissReason.NEVER_STORED] * 3
+        assert sorted(seen) == list(range(7))
+        assert all(np.array_equal(seen[i], blocks[i]) for i in range(7))
+
+
 def test_store_api_through_open_store(served, tmp_path):
     keys, blocks = blocks_for(11)
     cfg = StoreConfig(daemon_url=served.url, daemon_token=TOK_A)

@@ -35,6 +35,18 @@ def test_dram_and_nvme_store_survives_a_restart(tmp_path):
         assert s.lookup(KEYS[:1]).tiers == ["dram"]  # promoted on the hit
 
 
+def test_in_process_get_views_matches_get_into(tmp_path):
+    """The facade's get_views (the connector's load path) over DRAM + NVMe."""
+    cfg = StoreConfig(dram_bytes=4 * ID.layout.block_bytes, nvme_path=str(tmp_path), nvme_bytes=16 << 20)
+    with open_store(cfg) as s:
+        s.put(ID, KEYS[:4], BLOCKS[:4])
+        calls = []
+        res = s.get_views(ID, KEYS, lambda first, arr, reasons: calls.append((first, arr.copy(), reasons)))
+        assert res == calls[0][2] and len(calls) == 1 and calls[0][0] == 0
+        assert res[:4] == [None] * 4 and all(r is not None for r in res[4:])
+        assert all(np.array_equal(calls[0][1][i], BLOCKS[i]) for i in range(4))
+
+
 @pytest.mark.redis
 def test_store_with_redis_behind_dram(redis_url):
     cfg = StoreConfig(dram_bytes=2 * ID.layout.block_bytes, redis_url=redis_url, redis_prefix="factory:")
