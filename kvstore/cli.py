@@ -1,7 +1,6 @@
 """The kvstore command line: `kvstore keys`, `kvstore demo`, `kvstore bench ...`."""
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
