@@ -159,9 +159,9 @@ class EngineRun:
         env.update(extra or {})
         return env
 
-    def run(self, name: str, passes: dict[str, int], kv_transfer_config: dict | None = None,
+    def run(self, name: str, passes: list[str], kv_transfer_config: dict | None = None,
             env: dict[str, str] | None = None) -> dict:
-        """Start one engine, warm it up, run ``passes`` (name -> repeat of all prompts)."""
+        """Start one engine, warm it up, then run every prompt once per pass, in order."""
         self.runs += 1
         stem = self.workdir / f"engine-{self.runs}-{name}"
         spec = {"model": str(self.model), "engine": self.engine_kwargs(),
@@ -209,15 +209,15 @@ def run_kvstore(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
     try:
         daemon.start()
         say("kvstore: cold and warm_same (one engine)")
-        results.update(er.run("kvstore", {"cold": 1, "warm_same": 1}, ktc)["passes"])
+        results.update(er.run("kvstore", ["cold", "warm_same"], ktc)["passes"])
         say("kvstore: warm_fresh (a new engine)")
-        results.update(er.run("kvstore-fresh", {"warm_fresh": 1}, ktc)["passes"])
+        results.update(er.run("kvstore-fresh", ["warm_fresh"], ktc)["passes"])
         facts["stop_rc"] = daemon.stop()
         daemon.start()
         segs = sorted((er.workdir / "kvstore" / "nvme").glob("*.seg"))
         facts["dropped_files"] = drop_page_cache(segs)
         say("kvstore: warm_restart (daemon restarted, page cache dropped)")
-        results.update(er.run("kvstore-restart", {"warm_restart": 1}, ktc)["passes"])
+        results.update(er.run("kvstore-restart", ["warm_restart"], ktc)["passes"])
         facts["tiers_after_restart"] = {t: {k: v for k, v in s.items() if k in ("hits", "bytes_read")}
                                         for t, s in daemon.tier_stats().items()}
     finally:
@@ -238,9 +238,9 @@ def run_lmcache(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
         server.start()
         ktc, env = server.kv_transfer_config(), server.engine_env()
         say("lmcache: cold and warm_same (one engine)")
-        results.update(er.run("lmcache", {"cold": 1, "warm_same": 1}, ktc, env)["passes"])
+        results.update(er.run("lmcache", ["cold", "warm_same"], ktc, env)["passes"])
         say("lmcache: warm_fresh (a new engine)")
-        results.update(er.run("lmcache-fresh", {"warm_fresh": 1}, ktc, env)["passes"])
+        results.update(er.run("lmcache-fresh", ["warm_fresh"], ktc, env)["passes"])
         # its disk writes are asynchronous: stop only once every full chunk is on disk
         chunks = (cfg.prompt_tokens // server.chunk_size) * (len(er.prompts) + 1)   # + warm-up
         facts["disk_files"] = len(server.wait_disk_files(chunks))
@@ -248,7 +248,7 @@ def run_lmcache(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
         server.start()
         facts["dropped_files"] = drop_page_cache(server.disk_files())
         say("lmcache: warm_restart (server restarted, page cache dropped)")
-        results.update(er.run("lmcache-restart", {"warm_restart": 1}, ktc, env)["passes"])
+        results.update(er.run("lmcache-restart", ["warm_restart"], ktc, env)["passes"])
     finally:
         server.kill()
     return results, facts
@@ -322,7 +322,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, say: Callable[[str], None] = lambda m: 
                        make_prompts(cfg, 1, seed=0)[0])
         started = time.monotonic()
         say("plain engine (no connector)")
-        rows = [make_row("plain", "plain", er.run("plain", {"plain": 1})["passes"]["plain"])]
+        rows = [make_row("plain", "plain", er.run("plain", ["plain"])["passes"]["plain"])]
         stores = [("kvstore", run_kvstore)] + ([("lmcache", run_lmcache)] if cfg.peer else [])
         facts = {}
         for engine, runner in stores:
