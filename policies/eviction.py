@@ -14,7 +14,7 @@ per touch for no ordering LRU cannot express with an OrderedDict).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Container, Iterator
+from typing import Callable, Container, Hashable, Iterator
 
 from kvstore.errors import ConfigError
 from kvstore.policies.base import Key
@@ -263,6 +263,94 @@ class ClassedLRU(OrderPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._cls
+
+
+class SegmentLRU(OrderPolicy):
+    """:class:`ClassedLRU` over *segments*, evicting each segment tail first.
+
+    A segment is the set of a tier's keys that the same request last carried
+    (``stamp(key) -> (cls, last_use_s, segment, position)``). A prefix hit
+    needs every block before it, so evicting a request's first block makes
+    the rest of its chain dead weight; here the victim segment (largest
+    ``age / weight(cls)`` among the class queues' oldest segments) gives up
+    its highest positions first, and what stays is still a usable prefix.
+
+    O(classes + segment size) per victim (a segment is one request, tens of
+    blocks). Rejected: block-level LRU (blocks of a request are demoted from
+    HBM prefix first, so LRU evicts the prefix first and keeps the useless
+    tail - on the Mooncake trace most kept blocks were such tails).
+    """
+
+    name = "segment-lru"
+
+    def __init__(self, stamp: Callable[[Key], tuple[int, float, Hashable, int]],
+                 weight: Callable[[int], float], now: Callable[[], float],
+                 priority: Callable[[int, float, float], float] | None = None) -> None:
+        self._stamp, self._now = stamp, now
+        # priority(cls, age_s, residence_s): higher = evicted first;
+        # default: age / weight (ClassedLRU's rule)
+        self._priority = priority or (lambda cls, age, _residence: age / weight(cls))
+        self.residence_s = 60.0     # EMA of victims' age: how long a kept key stays
+        self._queues: dict[int, OrderedDict[Hashable, list]] = {}   # cls -> seg -> [t, {key: pos}]
+        self._where: dict[Key, tuple[int, Hashable]] = {}
+
+    def insert(self, key: Key) -> None:
+        self.remove(key)
+        cls, t, seg, pos = self._stamp(key)
+        q = self._queues.setdefault(cls, OrderedDict())
+        entry = q.get(seg)
+        if entry is None:
+            entry = q[seg] = [t, {}]
+        entry[1][key] = pos
+        self._where[key] = (cls, seg)
+
+    touch = insert
+
+    def remove(self, key: Key) -> None:
+        where = self._where.pop(key, None)
+        if where is None:
+            return
+        q = self._queues[where[0]]
+        members = q[where[1]][1]
+        del members[key]
+        if not members:
+            del q[where[1]]
+
+    def _candidates(self) -> Iterator[Key]:
+        """Oldest weighted segment first, its keys highest position first."""
+        now = self._now()
+        heads: dict[int, tuple[Iterator, list]] = {}
+        for cls, q in self._queues.items():
+            it = iter(q.values())
+            first = next(it, None)
+            if first is not None:
+                heads[cls] = (it, first)
+        while heads:
+            cls = max(heads, key=lambda c: self._priority(c, now - heads[c][1][0], self.residence_s))
+            it, (_, members) = heads[cls]
+            yield from sorted(members, key=members.__getitem__, reverse=True)
+            nxt = next(it, None)
+            if nxt is None:
+                del heads[cls]
+            else:
+                heads[cls] = (it, nxt)
+
+    def peek(self) -> Key | None:
+        """The next victim, ignoring protection; nothing changes."""
+        return next(self._candidates(), None)
+
+    def _drop(self, key: Key) -> None:
+        cls, seg = self._where[key]
+        age = self._now() - self._queues[cls][seg][0]
+        if age < float("inf"):
+            self.residence_s += 0.01 * (age - self.residence_s)
+        self.remove(key)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
 
 
 POLICIES = {"lru": LRU, "s3fifo": S3FIFO}

@@ -131,3 +131,30 @@ def test_classed_lru_keeps_a_heavier_class_longer():
     assert victims == [0, 2, 4, 6, 1]
     assert p.evict(1, {3}) == [8]                # protected 3 (7/3) is skipped, never a victim
     assert p.peek() == 3
+
+
+def test_segment_lru_evicts_the_oldest_segment_tail_first():
+    """A prefix hit needs every block before it: the victim segment gives up
+    its highest positions first, so what stays is still a usable prefix."""
+    from kvstore.policies.eviction import SegmentLRU
+    stamps = {"a0": (0, 1.0, "A", 0), "a1": (0, 1.0, "A", 1), "a2": (0, 1.0, "A", 2),
+              "b0": (0, 2.0, "B", 0), "c0": (1, 1.5, "C", 0)}
+    weights = {0: 1.0, 1: 10.0}
+    o = SegmentLRU(stamps.__getitem__, weights.__getitem__, lambda: 3.0)
+    for k in ("a0", "a1", "a2", "b0", "c0"):     # demoted prefix first, as HBM does
+        o.insert(k)
+    assert o.evict(2) == ["a2", "a1"]
+    assert o.evict(1, protected={"a0"}) == ["b0"]  # c0's class is kept 10x longer
+    assert o.evict(2) == ["a0", "c0"] and len(o) == 0
+    assert o.residence_s != 60.0                   # victims' age is measured
+
+
+def test_segment_lru_uses_a_given_priority():
+    from kvstore.policies.eviction import SegmentLRU
+    stamps = {"x": (0, 0.0, "X", 0), "y": (1, 5.0, "Y", 0)}
+    o = SegmentLRU(stamps.__getitem__, lambda c: 1.0, lambda: 10.0,
+                   priority=lambda cls, age, residence: -age)    # youngest first
+    o.insert("x")
+    o.insert("y")
+    assert o.peek() == "y" and "x" in o
+    assert o.evict(3) is None and len(o) == 2

@@ -117,7 +117,8 @@ def test_reuse_model_learns_which_requests_get_extended():
 def test_spill_filter_compares_with_the_nvme_victim():
     """TinyLFU's rule with the reuse model: room -> spill; full -> spill only
     when worth more than the block it displaces."""
-    cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0)
+    cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0,
+                       order="classed")
     p = RegimePlacement(TIERS[:3], cfg, capacities={"hbm": 1, "dram": 1, "nvme": 2},
                         clock=lambda: 0.0)
     nvme = p.make_order("nvme")
@@ -164,3 +165,46 @@ def test_model_ordered_tiers_see_only_the_past():
     a, b = _model_ordered_decisions(reqs), _model_ordered_decisions(reqs[:60] + fake)
     assert a[:60] == b[:60] and a[60:] != b[60:]
     assert any(t > 0 for hits, _ in a for t in hits)          # lower tiers really served hits
+
+
+def test_gap_model_learns_the_next_turn_gap():
+    from kvstore.policies.regime import GapModel
+    g = GapModel()
+    flat = g.survival(100.0)
+    for _ in range(500):
+        g.add(60.0)
+    assert g.survival(0.0) == pytest.approx(1.0)
+    assert g.survival(30.0) > 0.95 and g.survival(120.0) < 0.1 < flat
+    assert all(g.survival(a) >= g.survival(a + 5) for a in range(0, 3000, 50))
+
+
+def test_reuse_soon_follows_class_rate_and_gap():
+    """Belady in expectation: a block is worth keeping while its class's next
+    turn is likely to come within the horizon."""
+    m = ReuseModel()
+    for i in range(50):                      # every first turn is extended 60 s later
+        m.observe([0, 1000 + i], 100.0 * i)
+        m.observe([0, 1000 + i, 2000 + i], 100.0 * i + 60)
+    for i in range(50):                      # long first turns (class 1): never extended
+        m.observe(list(range(10_000 + 10 * i, 10_010 + 10 * i)), 9000.0 + i)
+    assert m.reuse_soon(0, 10.0, 60.0) > 0.5            # short first turns, due soon
+    assert m.reuse_soon(0, 10.0, 60.0) > 10 * m.reuse_soon(1, 10.0, 60.0)
+    assert m.reuse_soon(0, 10.0, 60.0) > m.reuse_soon(0, 500.0, 60.0)   # overdue: likely never
+    assert m.segment_stamp(2003) == (2, 360.0, 8, 2)
+
+
+def test_exclusive_write_back_skips_blocks_l3_still_holds():
+    cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0)
+    p = RegimePlacement(TIERS[:3], cfg, capacities={"hbm": 1, "dram": 1, "nvme": 4},
+                        clock=lambda: 0.0)
+    nvme = p.make_order("nvme")
+    p.on_request([10, 11, 12, 13], 0.0)
+    assert p.regime is Regime.SPILL
+    nvme.insert(11)
+    assert p.on_evict(11, 0) is None and p.on_evict(12, 0) == 1
+    q = RegimePlacement(TIERS[:3], RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1,
+                                                window_s=1000, hysteresis=0.0, exclusive=False),
+                        capacities={"hbm": 1, "dram": 1, "nvme": 4}, clock=lambda: 0.0)
+    q.make_order("nvme").insert(11)
+    q.on_request([10, 11, 12, 13], 0.0)
+    assert q.on_evict(11, 0) == 1
