@@ -208,11 +208,12 @@ def test_sync_put_async_returns_a_future():
 
 
 def test_regime_placement_orders_the_lower_tiers(run):
-    from kvstore.policies.eviction import ClassedLRU
+    from kvstore.policies.eviction import SegmentLRU
     from kvstore.policies.regime import RegimePlacement
 
     s = TieredStore([dram(4, "hbm"), dram(16)], placement=RegimePlacement(["hbm", "dram"]))
-    assert isinstance(s._order[1], ClassedLRU) and not isinstance(s._order[0], ClassedLRU)
+    # HBM keeps the engine's own LRU; below it the policy's segment order
+    assert isinstance(s._order[1], SegmentLRU) and not isinstance(s._order[0], SegmentLRU)
     assert run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)])) == [PutOutcome.STORED] * 3
     assert run(s.alookup(KEYS[:3])).prefix_blocks == 3
 
