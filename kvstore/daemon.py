@@ -55,6 +55,7 @@ from kvstore.protocol import (
     error_meta,
     frame,
     populated_mmap,
+    unmap,
     unpack_header,
     unpack_meta,
 )
@@ -87,12 +88,13 @@ class _Conn:
             self.scratch = np.zeros(nbytes, dtype=np.uint8)  # zeros: touched once, not per request
         return memoryview(self.scratch)[:nbytes]
 
+    def drop_shm(self) -> None:
+        self.shm = None
+        unmap(self.shm_map)
+        self.shm_map = None
+
     def close(self) -> None:
-        if self.shm_map is not None:
-            self.shm = None
-            with contextlib.suppress(BufferError):
-                self.shm_map.close()
-            self.shm_map = None
+        self.drop_shm()
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -404,10 +406,7 @@ class Daemon:
             mapped = populated_mmap(fd, size)
         finally:
             os.close(fd)
-        if conn.shm_map is not None:
-            conn.shm = None
-            with contextlib.suppress(BufferError):
-                conn.shm_map.close()
+        conn.drop_shm()
         conn.shm_map = mapped
         conn.shm = np.frombuffer(mapped, dtype=np.uint8)
         return {}

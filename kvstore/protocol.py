@@ -26,6 +26,7 @@ This module is pure: framing, limits and error mapping, no sockets.
 from __future__ import annotations
 
 
+import contextlib
 import enum
 import mmap
 import struct
@@ -159,3 +160,11 @@ def populated_mmap(fd: int, size: int) -> mmap.mmap:
     waits on them: first-touch faults cost more than the copy itself."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(fd, size, flags=flags)
+
+
+def unmap(mapped: mmap.mmap | None) -> None:
+    """Close a shared mapping; if a view of it is still alive (BufferError),
+    leave it to the garbage collector rather than fail the caller."""
+    if mapped is not None:
+        with contextlib.suppress(BufferError):
+            mapped.close()

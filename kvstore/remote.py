@@ -52,6 +52,7 @@ from kvstore.protocol import (
     parse_url,
     populated_mmap,
     raise_error,
+    unmap,
     unpack_header,
     unpack_meta,
 )
@@ -160,11 +161,9 @@ class _Connection:
         return self.shm
 
     def _drop_shm(self) -> None:
-        if self._shm_map is not None:
-            self.shm = None
-            with contextlib.suppress(BufferError):
-                self._shm_map.close()
-            self._shm_map = None
+        self.shm = None
+        unmap(self._shm_map)
+        self._shm_map = None
 
     def close(self) -> None:
         self._drop_shm()
