@@ -8,7 +8,13 @@ parameters are part of the result.
 
 Policies: ``hbm-only`` (engine prefix cache alone, LRU), ``always-offload``
 (write-through to DRAM, LRU), ``lru`` (LRU cascade over all configured tiers),
-``regime`` (:class:`~kvstore.policies.regime.RegimePlacement`), ``belady``.
+``regime`` (:class:`~kvstore.policies.regime.RegimePlacement`), ``belady``,
+and ``regime-oracle``: the regime policy given, as each request's follow-up
+hint, whether a later request of the trace will extend it - read from the
+future, so like ``belady`` an upper bound: what perfect application hints
+(an agent that knows it has another step) would buy. ``regime`` itself gets
+the trace's own ``followup`` fields when there are any (``hints="trace"``;
+the agent generator writes them) or none (``hints="none"``).
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
 
 from kvstore.errors import ConfigError
 
-POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady")
+POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle")
+DEFAULT_POLICIES = POLICY_NAMES[:5]
+HINT_SOURCES = ("trace", "none")
 TIER_NAMES = ("hbm", "dram", "nvme", "redis")
 
 
@@ -40,7 +48,8 @@ class ReplayConfig:
     nvme_tokens: int = 0
     redis_tokens: int = 0
     block_tokens: int = 512
-    policies: tuple[str, ...] = POLICY_NAMES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    hints: str = "trace"              # regime's follow-up hints: the trace's "followup" fields, or none
     regime_eviction: str = "model"     # "model": the regime policy's own reuse-model order; or lru / s3fifo
     regime_mode: str = "fixed"
     thresholds: tuple[int, int, int] = (100_000, 250_000, 500_000)
@@ -54,6 +63,8 @@ class ReplayConfig:
             raise ConfigError("hbm_tokens must hold at least one block")
         if min(self.dram_tokens, self.nvme_tokens, self.redis_tokens) < 0 or self.block_tokens < 1:
             raise ConfigError("capacities must be >= 0 and block_tokens >= 1")
+        if self.hints not in HINT_SOURCES:
+            raise ConfigError(f"hints must be one of {list(HINT_SOURCES)}, got {self.hints!r}")
         bad = [p for p in self.policies if p not in POLICY_NAMES]
         if bad or not self.policies:
             raise ConfigError(f"unknown policies {bad}; choose from {list(POLICY_NAMES)}")
@@ -76,7 +87,7 @@ def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
         tiers, placement = tiers[:2], AlwaysOffload(names[:2])
     elif policy == "lru":
         placement = Cascade(names)
-    elif policy == "regime":
+    elif policy in ("regime", "regime-oracle"):
         rc = RegimeConfig(thresholds=cfg.thresholds, mode=cfg.regime_mode, window_s=cfg.window_s,
                           tokens_per_key=cfg.block_tokens, nvme_min_count=cfg.nvme_min_count)
         placement = RegimePlacement(
@@ -90,7 +101,7 @@ def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
     make_order = getattr(placement, "make_order", None)
 
     def order_for(i: int, name: str):
-        if policy != "regime" or i == 0:
+        if not policy.startswith("regime") or i == 0:
             return LRU()
         if cfg.regime_eviction == "model" and make_order is not None:
             return make_order(name)
@@ -143,13 +154,14 @@ def _steps(sim: Simulator, policy: str, requests: Sequence[TraceRequest], cfg: R
     names = [t.name for t in sim.tiers]
     run = PolicyRun(names)
     nt = len(names)
-    is_regime = policy == "regime"
+    is_regime = policy.startswith("regime")
+    hints = followup_hints(requests, policy, cfg)
     begin = getattr(data_plane, "begin_request", None)
     end = getattr(data_plane, "end_request", None)
-    for req in requests:
+    for req, hint in zip(requests, hints):
         if begin is not None:
             begin(req)
-        res = sim.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg))
+        res = sim.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg), hint)
         if end is not None:
             end()
         counts = [0] * nt
@@ -161,6 +173,37 @@ def _steps(sim: Simulator, policy: str, requests: Sequence[TraceRequest], cfg: R
     run.placement_stats = sim.placement.stats()
     run.tier_io = {t.name: {"writes": t.writes, "reads": t.reads} for t in sim.tiers}
     return run
+
+
+def followup_hints(requests: Sequence[TraceRequest], policy: str,
+                   cfg: ReplayConfig) -> list[float | None]:
+    """Each request's follow-up hint for ``policy``: the oracle's for
+    ``regime-oracle``, the trace's ``followup`` field for ``regime`` (unless
+    ``cfg.hints == "none"``), none for the baselines (they ignore hints)."""
+    if policy == "regime-oracle":
+        return oracle_followups(requests, cfg)
+    if policy == "regime" and cfg.hints == "trace":
+        return [r.followup for r in requests]
+    return [None] * len(requests)
+
+
+def oracle_followups(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> list[float | None]:
+    """1.0 for a request whose context a later request sends again, else 0.0:
+    its first sealed block no earlier request carried (its last sealed block
+    when it sealed nothing new) appears again later - ids are chained, so
+    that later request extends this one. Reads the future."""
+    seen: set[int] = set()
+    own: list[int | None] = []
+    for r in requests:
+        sealed = r.hash_ids[:storable(r, cfg)]
+        own.append(next((h for h in sealed if h not in seen), sealed[-1] if sealed else None))
+        seen.update(r.hash_ids)
+    later: set[int] = set()
+    out: list[float | None] = [0.0] * len(requests)
+    for i in range(len(requests) - 1, -1, -1):
+        out[i] = float(own[i] is not None and own[i] in later)
+        later.update(requests[i].hash_ids)
+    return out
 
 
 def run_belady(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> PolicyRun:
@@ -309,11 +352,15 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
                          "regime_mode": cfg.regime_mode, "thresholds": list(cfg.thresholds),
+                         "hints": cfg.hints,
                          "window_s": cfg.window_s, "requests": len(requests)},
               "command": command}
     if {"lru", "regime", "belady"} <= policies.keys():
         lru, reg, bel = (policies[p]["hit_rate"] for p in ("lru", "regime", "belady"))
         result["gap_closed"] = (reg - lru) / (bel - lru) if bel > lru else None
+    if {"lru", "regime-oracle", "belady"} <= policies.keys():
+        lru, reg, bel = (policies[p]["hit_rate"] for p in ("lru", "regime-oracle", "belady"))
+        result["gap_closed_oracle_hints"] = (reg - lru) / (bel - lru) if bel > lru else None
     if json_out:
         write_json(result, json_out)
     if plots_dir:
@@ -351,8 +398,11 @@ def render_table(result: dict):
                       f(p["recomputed_token_share"]), f(p["ttft_mean_s"], "{:.3f}s"),
                       f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
                       f(p["middle_phase_trough"]), *((_dp_cell(p.get("data_plane")),) if dp else ()))
-    if result.get("gap_closed") is not None:
-        table.caption = f"(regime - lru) / (belady - lru) = {result['gap_closed']:.2f}"
+    captions = [f"({name} - lru) / (belady - lru) = {result[key]:.2f}"
+                for name, key in (("regime", "gap_closed"), ("regime-oracle", "gap_closed_oracle_hints"))
+                if result.get(key) is not None]
+    if captions:
+        table.caption = "; ".join(captions)
     return table
 
 

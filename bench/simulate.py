@@ -75,13 +75,15 @@ class Simulator:
                 return i
         return None
 
-    def step(self, keys: Sequence[Hashable], now: float, storable: int | None = None) -> StepResult:
+    def step(self, keys: Sequence[Hashable], now: float, storable: int | None = None,
+             followup: float | None = None) -> StepResult:
         """Serve one request: find its prefix hits, promote, store what was computed.
 
         ``storable``: how many leading blocks are sealed and may be stored
-        (the trailing partial block is recomputed, never stored).
+        (the trailing partial block is recomputed, never stored);
+        ``followup``: the caller's hint, handed to the placement.
         """
-        self.placement.on_request(keys, now)
+        self.placement.on_request(keys, now, followup)
         hits: list[int] = []
         for k in keys:
             t = self.locate(k)

@@ -3,7 +3,10 @@
 ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [int, ...]}`` with one hash id per ``block_tokens``-token block of
 the input (512 in Mooncake's releases), chained: equal ids at equal positions
-mean an equal prefix. Extra fields (``task_id``, ``tenant``, ``step``, ...) are
+mean an equal prefix. An optional ``followup`` (bool or probability) is the
+caller's hint that the request's context will be sent again (the agent
+generator writes it: a task that has another step knows it). Extra fields
+(``task_id``, ``tenant``, ``step``, ...) are
 kept in :attr:`TraceRequest.extra` and written back unchanged, so a generated
 agent workload round-trips through the same format.
 
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidHint
+from kvstore.policies.base import check_followup
 
 REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -49,6 +53,13 @@ class TraceRequest:
     @property
     def tenant(self) -> str:
         return str(self.extra.get("tenant", "default"))
+
+    @property
+    def followup(self) -> float | None:
+        """The optional ``followup`` field: the caller's probability that this
+        request's context is sent again (``None`` when the trace has none)."""
+        v = self.extra.get("followup")
+        return None if v is None else float(v)
 
     @property
     def task_id(self) -> str | None:
@@ -91,6 +102,10 @@ def parse_line(text: str, *, source: str = "<trace>", line: int = 1,
         raise TraceFormatError(source, line, f"{len(ids)} hash_ids for {inp} input tokens "
                                f"at {block_tokens} tokens per block")
     extra = {k: v for k, v in obj.items() if k not in REQUIRED}
+    try:
+        check_followup(extra.get("followup"))
+    except InvalidHint as exc:
+        raise TraceFormatError(source, line, str(exc)) from None
     return TraceRequest(float(ts), inp, outp, tuple(ids), extra)
 
 

@@ -16,6 +16,10 @@ small ints in order of first appearance, as in Mooncake's traces. The last
 id of a request covers its partial block (Mooncake's convention:
 ``len(hash_ids) == ceil(input_length / block_tokens)``).
 
+Each call carries ``followup``: whether the task (or sub-agent) has another
+step, which an agent framework knows when it issues a tool call - the hint
+:class:`~kvstore.policies.regime.RegimePlacement` can use.
+
 Working-set knob: ``working_set_tokens`` sets how many tasks run at once
 (task slots run tasks back to back), so the sustained working set - shared
 prefixes plus the live contexts of running tasks - is about that size.
@@ -138,7 +142,7 @@ def _call(c, rng, ids, out, t, ctx, tenant, task_id, step, steps, family, parent
     inp, _, hids = ids.hash_ids(tenant, ctx)
     o = rng.randint(*c.output_tokens)
     extra = {"task_id": task_id, "tenant": tenant, "family": family, "step": step,
-             "steps": steps}
+             "steps": steps, "followup": step + 1 < steps}
     if parent is not None:
         extra["parent"] = parent
     out.append(TraceRequest(round(t * 1000.0, 3), inp, o, tuple(hids), extra))

@@ -29,8 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvstore.policies.base import check_followup
+
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, KVStoreError, TierUnavailable
+from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
 from kvstore.identity import CacheIdentity, KVLayout
 
 log = logging.getLogger("kvstore.connectors")
@@ -259,10 +261,34 @@ class StoreGuard:
             return fn()
         except Exception as exc:
             self.errors += 1
-            kind = f"{what}:{type(exc).__name__}"
-            if kind not in self._seen:
-                self._seen.add(kind)
-                log.warning("%s: store %s failed (%s: %s); treating as a miss",
-                            self.name, what, type(exc).__name__, exc,
-                            exc_info=not isinstance(exc, KVStoreError))
+            self.warn_once(f"store {what}", exc, "treating as a miss")
             return fallback
+
+    def warn_once(self, what: str, exc: Exception, then: str) -> None:
+        """Log ``exc`` the first time this kind (``what`` + exception class)
+        occurs: an error repeated on every request must not flood the log."""
+        kind = f"{what}:{type(exc).__name__}"
+        if kind not in self._seen:
+            self._seen.add(kind)
+            log.warning("%s: %s failed (%s: %s); %s", self.name, what, type(exc).__name__, exc, then,
+                        exc_info=not isinstance(exc, KVStoreError))
+
+
+# the key of a request's engine-side params (vLLM's ``kv_transfer_params``)
+# holding its follow-up hint: see ``PlacementPolicy.on_request``
+FOLLOWUP_PARAM = "kvstore_followup"
+
+
+def request_followup(params: Mapping[str, Any] | None, guard: StoreGuard) -> float | None:
+    """The follow-up hint in a request's params, or None if it carries none.
+
+    The value comes from the engine's client, not from the engine: a bad one
+    is logged once and ignored (the request is served without the hint),
+    never raised into the engine's step loop."""
+    if not isinstance(params, Mapping) or params.get(FOLLOWUP_PARAM) is None:
+        return None
+    try:
+        return check_followup(params[FOLLOWUP_PARAM])
+    except InvalidHint as exc:
+        guard.warn_once(f"request hint {FOLLOWUP_PARAM!r}", exc, "ignoring it")
+        return None

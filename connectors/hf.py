@@ -34,6 +34,7 @@ from kvstore.connectors._common import (
     dtype_name,
     rope_fields,
 )
+from kvstore.policies.base import check_followup
 
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
@@ -151,16 +152,23 @@ class HFPrefixCache:
         return out.reshape(count, -1).view(torch.uint8).numpy()
 
     # -- load -----------------------------------------------------------------
-    def load(self, input_ids: Any, *, max_tokens: int | None = None) -> Restored:
+    def load(self, input_ids: Any, *, max_tokens: int | None = None,
+             followup: float | None = None) -> Restored:
         """Restore the longest stored prefix of ``input_ids`` into a new DynamicCache.
 
         At most ``len(input_ids) - 1`` tokens (or ``max_tokens``) are restored,
         so the model always has a token left to compute logits from.
+        ``followup``: the caller's probability in [0, 1] that this context
+        will be sent again (see ``PlacementPolicy.on_request``), or None. A
+        bad value is the caller's bug, not a store failure: it raises
+        InvalidHint before the store is asked.
         """
+        followup = check_followup(followup)
         tokens = _tokens(input_ids)
         limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
         keys = block_keys(self.identity, tokens[:max(limit, 0)])
-        found = self.guard.call("lookup", lambda: self.store.lookup(keys).prefix_blocks, 0) if keys else 0
+        found = self.guard.call("lookup", lambda: self.store.lookup(keys, followup=followup).prefix_blocks,
+                                0) if keys else 0
         bufs = np.empty((found, self.identity.layout.block_bytes), dtype=np.uint8)
         misses: list[MissReason | None] = []
         if found:

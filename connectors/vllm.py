@@ -14,10 +14,13 @@ How it works (vLLM 0.32's V1 interface):
   CacheIdentity that covers model, revision, tokenizer, KV dtype and layout,
   TP rank, LoRA, multimodal hashes and the request's ``cache_salt``) and asks
   the store for the longest stored prefix, for every TP rank's keys; the
-  smallest answer wins. ``update_state_after_alloc`` records which vLLM
-  blocks receive those loads, and ``build_connector_meta`` tells the workers
-  what to load and which newly sealed blocks to save (blocks the store
-  already holds are not sent again).
+  smallest answer wins. A request may say how likely its context is to be
+  sent again (an agent's next step) in its ``kv_transfer_params``,
+  ``{"kvstore_followup": 0.9}``; the lookup hands that hint to the placement
+  policy (a bad value is logged once and ignored). ``update_state_after_alloc``
+  records which vLLM blocks receive those loads, and ``build_connector_meta``
+  tells the workers what to load and which newly sealed blocks to save
+  (blocks the store already holds are not sent again).
 * Worker side. ``start_load_kv`` reads the planned blocks from the store
   and scatters them into every layer's paged cache before the forward pass
   (a synchronous load: vLLM orders it before the step). ``save_kv_layer``
@@ -57,6 +60,7 @@ from kvstore.connectors._common import (
     dtype_name,
     engine_logging,
     process_local_tiers,
+    request_followup,
     rope_fields,
     shared_store,
 )
@@ -188,6 +192,7 @@ class _ReqState:
     hit_blocks: int = 0                      # store prefix found by the last lookup
     load: tuple[int, int] | None = None      # (first block, end block) to load
     saved_upto: int = 0                      # blocks before this are saved or loaded
+    followup: float | None = None            # the request's follow-up hint, if it gave one
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -237,7 +242,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         st = self.requests.get(request.request_id)
         if st is None:
             idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
-            st = _ReqState(request, idents, [KeyChain(i) for i in idents])
+            st = _ReqState(request, idents, [KeyChain(i) for i in idents],
+                           followup=request_followup(request.kv_transfer_params, self.guard))
             self.requests[request.request_id] = st
         return st
 
@@ -253,18 +259,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                 chain.extend(tokens, extras)
         return [chain.keys[:upto_blocks] for chain in st.chains]
 
-    def _stored_prefix(self, keys: list[list[BlockKey]]) -> int:
+    def _stored_prefix(self, keys: list[list[BlockKey]], followup: float | None) -> int:
         if not keys[0]:
             return 0
-        return min(self.guard.call("lookup", lambda k=k: self.store.lookup(k).prefix_blocks, 0)
-                   for k in keys)
+        def prefix(k: list[BlockKey]) -> int:
+            return self.store.lookup(k, followup=followup).prefix_blocks
+        return min(self.guard.call("lookup", lambda k=k: prefix(k), 0) for k in keys)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load:
             return 0, False
         st = self._state(request)
-        st.hit_blocks = self._stored_prefix(self._keys(st, request.num_tokens // self.block_size))
+        st.hit_blocks = self._stored_prefix(self._keys(st, request.num_tokens // self.block_size),
+                                            st.followup)
         # vLLM must compute at least the last token: when every block of the
         # prompt is stored, all are loaded and only that token is recomputed
         # (its slot is rewritten with the same value), not its whole block

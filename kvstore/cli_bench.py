@@ -51,12 +51,18 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--workload", type=click.Choice(["agent"]), default=None, help="Built-in generator instead.")
 @click.option("--trace-block-tokens", default=512, show_default=True, help="Tokens per trace hash id.")
 @click.option("--limit", default=None, type=int, help="Replay only the first N requests.")
-@click.option("--policy", default="hbm-only,always-offload,lru,regime,belady", show_default=True)
+@click.option("--policy", default="hbm-only,always-offload,lru,regime,belady", show_default=True,
+              help="Comma list of hbm-only, always-offload, lru, regime, belady, regime-oracle "
+                   "(regime told by the trace's future whether each request gets a next turn: "
+                   "an upper bound for follow-up hints).")
 @click.option("--hbm-tokens", default="100K", type=SIZE, show_default=True)
 @click.option("--dram-tokens", default="500K", type=SIZE, show_default=True)
 @click.option("--nvme-tokens", default="1.4M", type=SIZE, show_default=True)
 @click.option("--redis-tokens", default="0", type=SIZE, show_default=True)
 @click.option("--regime-mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True)
+@click.option("--hints", type=click.Choice(["trace", "none"]), default="trace", show_default=True,
+              help="regime's follow-up hints: the trace's 'followup' fields (the agent generator "
+                   "writes them), or none.")
 @click.option("--data-plane/--no-data-plane", default=True, show_default=True,
               help="Move scaled real bytes through real tiers and verify every hit; off: simulate only.")
 @click.option("--bytes-per-token", default=2, show_default=True, type=click.IntRange(1),
@@ -68,7 +74,7 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
 @workload_options
 def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, regime_mode, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
+           redis_tokens, regime_mode, hints, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
            plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
            gpu_tflops) -> None:
     """Replay a trace or the agent generator under several policies, side by side."""
@@ -84,6 +90,7 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, regime_mode=regime_mode,
+                           hints=hints,
                            policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
         if redis_url and not data_plane:
             raise click.UsageError("--redis-url needs the data plane (drop --no-data-plane)")

@@ -295,7 +295,8 @@ class Daemon:
         return ident
 
     async def _lookup(self, ten: Tenant, meta: dict) -> dict:
-        res = await self.store.alookup(self._keys(ten, meta))
+        # the store checks the hint (InvalidHint goes back to the client as a typed error)
+        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"))
         ten.lookup_blocks += len(res.tiers)
         ten.lookup_hit_blocks += res.prefix_blocks
         return {"prefix": res.prefix_blocks, "tiers": res.tiers,

@@ -23,6 +23,10 @@ class InvalidBlock(KVStoreError, ValueError):
     """A payload or destination buffer has the wrong size or is not contiguous."""
 
 
+class InvalidHint(KVStoreError, ValueError):
+    """A request hint (the follow-up probability) is not a number in [0, 1]."""
+
+
 class LayoutMismatch(KVStoreError, ValueError):
     """A stored block's layout or namespace differs from the one requested."""
 

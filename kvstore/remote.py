@@ -42,6 +42,7 @@ from kvstore.errors import ConfigError, InvalidBlock, KVStoreError, TierUnavaila
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.policies.base import check_followup
 from kvstore.protocol import (
     HEADER_SIZE,
     STATUS_ERROR,
@@ -267,9 +268,14 @@ class RemoteStore:
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     # -- the store API --------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        keys = [check_key(k) for k in keys]
-        r = self._with_conn(lambda c: c.call(Op.LOOKUP, {"keys": keys}))
+    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
+        """``followup``: see :meth:`TieredStore.alookup`. Checked here too, so a
+        bad hint fails the same way against a daemon too old to know the field."""
+        followup = check_followup(followup)
+        meta: dict[str, Any] = {"keys": [check_key(k) for k in keys]}
+        if followup is not None:  # absent = unknown; older daemons ignore the field
+            meta["followup"] = followup
+        r = self._with_conn(lambda c: c.call(Op.LOOKUP, meta))
         return LookupResult(r["prefix"], r["tiers"], [None if x is None else MissReason(x) for x in r["reasons"]])
 
     def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],

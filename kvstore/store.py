@@ -25,7 +25,7 @@ from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.leases import Leases
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
 from kvstore.policies.placement import Cascade
 from kvstore.policies.eviction import LRU
 from kvstore.record import BlockSpec, RecordHeader
@@ -81,7 +81,13 @@ class TieredStore:
         self._flush_on_close = flush_on_close
 
     # -- lookup -----------------------------------------------------------------
-    async def alookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+    async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
+        """Where each key is stored, and the longest stored prefix.
+
+        ``followup``: the caller's probability in [0, 1] that this request's
+        context will be sent again, or None (unknown); the placement may use
+        it. Checked first, so a bad hint (InvalidHint) leaves the store as it was."""
+        followup = check_followup(followup)
         keys = [check_key(k) for k in keys]
         where: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -97,7 +103,7 @@ class TieredStore:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
         self.stats.lookup_hit_blocks += prefix
-        self.placement.on_request(keys, self.clock())
+        self.placement.on_request(keys, self.clock(), followup=followup)
         reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
         if prefix < len(keys):
             self.stats.lookup_misses[reasons[prefix]] += 1

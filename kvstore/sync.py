@@ -52,8 +52,8 @@ class KVStore:
             return fn()
         return self._call(_inner())
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        return self._call(self.store.alookup(keys))
+    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
+        return self._call(self.store.alookup(keys, followup=followup))
 
     def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],
             blocks: Sequence[object]) -> list[PutOutcome]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Container, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
+from kvstore.errors import InvalidHint
+
 Key = Hashable  # BlockKey (bytes) in the store; ints in trace replay
 
 
@@ -55,8 +57,13 @@ class PlacementPolicy(Protocol):
     holds every online policy to this).
     """
 
-    def on_request(self, keys: Sequence[Key], now: float) -> None:
-        """Observe a request's sealed block keys (in prefix order) at time ``now``."""
+    def on_request(self, keys: Sequence[Key], now: float, followup: float | None = None) -> None:
+        """Observe a request's sealed block keys (in prefix order) at time ``now``.
+
+        ``followup``: the caller's hint, a probability in [0, 1] that this
+        request's context will be sent again (an agent's next step, a chat's
+        next turn), or ``None`` when the caller does not know. A policy may
+        ignore it; :class:`~.regime.RegimePlacement` learns how far to trust it."""
 
     def put_targets(self, key: Key) -> list[int]:
         """Tiers a newly computed block is written to; ``[]`` = do not store."""
@@ -79,6 +86,18 @@ def tier_index(tiers: Sequence[str], name: str) -> int | None:
         return list(tiers).index(name)
     except ValueError:
         return None
+
+
+def check_followup(followup: object) -> float | None:
+    """A follow-up hint as a float in [0, 1] (``True`` / ``False`` mean 1 / 0),
+    or ``None``; anything else raises :class:`~kvstore.errors.InvalidHint`."""
+    if followup is None:
+        return None
+    if isinstance(followup, (bool, int, float)):
+        value = float(followup)
+        if 0.0 <= value <= 1.0:     # False for NaN as well
+            return value
+    raise InvalidHint(f"followup must be a number in [0, 1] or None, got {followup!r}")
 
 
 def first_present(keys: Iterable[Key], holder: Container[Key]) -> int:

@@ -25,7 +25,8 @@ class _Base:
         if not self.tiers:
             raise ConfigError("a placement needs at least one tier")
 
-    def on_request(self, keys: Sequence[Hashable], now: float | None = None) -> None:
+    def on_request(self, keys: Sequence[Hashable], now: float | None = None,
+                   followup: float | None = None) -> None:
         pass
 
     def put_targets(self, key: Hashable) -> list[int]:

@@ -24,6 +24,12 @@ tier still holds is not written back to DRAM again (``exclusive``), and
 the NVMe / Redis filter admits a block seen twice, or one worth more than
 the block it would displace (TinyLFU's rule over the model's value).
 
+A caller that knows whether a request's context will be sent again (an
+agent with a pending tool call) passes ``followup`` to ``on_request``; the
+model classes hinted requests apart and learns how far the hint holds. On
+the Mooncake conversation trace that signal is what separates online
+policies from Belady (README, "Measured").
+
 Thresholds are settable (:class:`RegimeConfig`), or derived from the tiers
 (``mode="auto"``): t1 = HBM capacity, t3 = HBM + DRAM capacity, t2 midway;
 and in ``auto`` a tier whose load is not cheaper than recomputing a block
@@ -47,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
 from kvstore.errors import ConfigError
-from kvstore.policies.base import first_present
+from kvstore.policies.base import check_followup, first_present
 from kvstore.policies.eviction import ClassedLRU, SegmentLRU
 from kvstore.policies.working_set import WorkingSetConfig, WorkingSetEstimator, stable_hash64
 
@@ -151,6 +157,12 @@ class ReuseModel:
     remembers the class and time of the last request that carried it
     (``stamp``); ``ClassedLRU`` orders a tier by them.
 
+    A caller's follow-up hint (``observe(..., followup=p)``) replaces depth
+    and size: hinted requests get one of two classes of their own, "likely"
+    (p >= 0.5) and "unlikely", whose rates are learnt like any other - so a
+    hint is trusted exactly as far as it has come true so far, and a source
+    of wrong hints costs no more than having none.
+
     Memory: at most ``max_keys`` block records and ``max_pending`` requests
     waiting to be extended (oldest forgotten first). Single-threaded.
 
@@ -169,21 +181,24 @@ class ReuseModel:
         self.max_keys, self.max_pending, self.power = max_keys, max_pending, power
         self._meta: OrderedDict[Hashable, list] = OrderedDict()   # key -> [cls, t, count, req, pos]
         self._pending: OrderedDict[int, int] = OrderedDict()      # request seq -> cls
-        n = 2 * self.DEPTHS
+        n = 2 * self.DEPTHS + 2                  # + the two hinted classes
         self._requests, self._extended = [0] * n, [0] * n
         self._seq = 0
         self.now = 0.0
         self.gaps = GapModel()
 
-    def observe(self, keys: Sequence[Hashable], now: float) -> int:
+    def observe(self, keys: Sequence[Hashable], now: float, followup: float | None = None) -> int:
         """Classify and record one request; returns its class."""
         self.now = now
         self._seq += 1
         meta = self._meta
         hm = first_present(keys, meta)
         parent = meta[keys[hm - 1]] if hm >= 2 else None
-        depth = 0 if parent is None else min(parent[2], self.DEPTHS - 1)
-        cls = 2 * depth + (len(keys) >= self.LONG_BLOCKS)
+        if followup is not None:
+            cls = 2 * self.DEPTHS + (followup >= 0.5)
+        else:
+            depth = 0 if parent is None else min(parent[2], self.DEPTHS - 1)
+            cls = 2 * depth + (len(keys) >= self.LONG_BLOCKS)
         if parent is not None:
             pc = self._pending.pop(parent[3], None)
             if pc is not None:
@@ -328,10 +343,12 @@ class RegimePlacement:
         self._last_now = 0.0
 
     # -- observation ---------------------------------------------------
-    def on_request(self, keys: Sequence[Hashable], now: float | None = None) -> None:
+    def on_request(self, keys: Sequence[Hashable], now: float | None = None,
+                   followup: float | None = None) -> None:
         now = self._clock() if now is None else now
+        followup = check_followup(followup)
         self._ws.observe(keys, now)
-        self._model.observe(keys, now)
+        self._model.observe(keys, now, followup)
         for k in keys:
             self._freq.add(k)
         self._last_ws = ws = self._ws.tokens(now)

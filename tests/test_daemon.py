@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -23,7 +24,13 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.daemon import Daemon
 from kvstore.daemon_config import DaemonConfig, TenantSpec
-from kvstore.errors import ConfigError, InvalidBlock, InvalidKey, TierUnavailable
+from kvstore.errors import (
+    ConfigError,
+    InvalidBlock,
+    InvalidHint,
+    InvalidKey,
+    TierUnavailable,
+)
 from kvstore.factory import open_store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
@@ -35,9 +42,11 @@ from kvstore.protocol import (
     Op,
     frame,
     pack_header,
+    raise_error,
     unpack_header,
 )
 from kvstore.remote import RemoteConfig, RemoteStore
+from tests.placements import RecordingPlacement
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,6 +216,39 @@ def test_get_misses_leave_destinations_alone_and_report_reasons(served, shm):
         with pytest.raises(InvalidKey):
             c.lookup([b"short"])
         assert c.ping()["ok"]  # the connection survived the bad input
+
+
+def test_lookup_carries_the_followup_hint_to_the_daemons_placement(served):
+    store = served.daemon.store
+    store.placement = rec = RecordingPlacement(store.placement)
+    keys, blocks = blocks_for(9)
+    with client(served.url) as c:
+        c.put(IDENT, keys[:3], blocks[:3])
+        assert c.lookup(keys, followup=0.9).prefix_blocks == 3
+        assert c.lookup(keys, followup=False).prefix_blocks == 3
+        assert c.lookup(keys).prefix_blocks == 3            # no hint: the field is left out
+    assert rec.requests == [(6, 0.9), (6, 0.0), (6, None)]
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, "yes"])
+def test_a_bad_followup_hint_is_a_typed_error_and_the_daemon_keeps_serving(served, bad):
+    keys, blocks = blocks_for(10)
+    with client(served.url) as c:
+        c.put(IDENT, keys[:2], blocks[:2])
+        with pytest.raises(InvalidHint):                    # refused by the client itself
+            c.lookup(keys, followup=bad)
+        # a client that sends it anyway gets the typed error from the daemon, on a live connection
+        s = raw_conn(served.daemon.config.unix_path)
+        s.sendall(frame(Op.LOOKUP, 2, {"keys": keys, "followup": bad}))
+        _, status, meta = read_reply(s)
+        assert status == STATUS_ERROR and meta["error"] == "InvalidHint", meta
+        with pytest.raises(InvalidHint):                    # what RemoteStore raises for that reply
+            raise_error(meta)
+        s.sendall(frame(Op.PING, 3, {}))
+        assert read_reply(s)[1] != STATUS_ERROR
+        s.close()
+        assert c.lookup(keys).prefix_blocks == 2
+    assert served.daemon.store.stats.lookups == 1           # the refused lookups changed nothing
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["socket", "shm"])

@@ -2,18 +2,23 @@
 import asyncio
 import threading
 
+import math
+
 import numpy as np
 import pytest
 
-from kvstore.errors import InvalidBlock, KVStoreError
+from kvstore.errors import InvalidBlock, InvalidHint, KVStoreError
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
+from kvstore.policies.placement import Cascade
+from kvstore.policies.regime import RegimePlacement
 from kvstore.record import BlockSpec
 from kvstore.store import TieredStore
 from kvstore.sync import KVStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.memory import MemoryTier
+from tests.placements import RecordingPlacement
 
 ID = CacheIdentity("test/model", KVLayout(2, 2, 32, 16, dtype="float16"))
 BB = ID.layout.block_bytes  # 8 KiB
@@ -150,6 +155,38 @@ def test_bad_input_leaves_the_store_intact(run):
     with pytest.raises(InvalidBlock):
         run(s.aget_into(ID, KEYS[:1], [np.zeros(BB - 1, np.uint8)]))
     assert run(s.alookup(KEYS[:4])).prefix_blocks == 2 and s.tiers[0].used_bytes == 2 * BB
+
+
+@pytest.mark.parametrize("inner", [Cascade, RegimePlacement], ids=["cascade", "regime"])
+def test_lookup_hands_the_followup_hint_to_the_placement(run, inner):
+    rec = RecordingPlacement(inner(["hbm", "dram"]))
+    s = TieredStore([dram(4, "hbm"), dram(16)], placement=rec)
+    run(s.aput(ID, KEYS[:2], [block(0), block(1)]))
+    assert run(s.alookup(KEYS[:3], followup=0.9)).prefix_blocks == 2
+    run(s.alookup(KEYS[:2]))
+    run(s.alookup(KEYS[:1], followup=True))          # a bool means 1.0 / 0.0
+    assert rec.requests == [(3, 0.9), (2, None), (1, 1.0)]
+
+
+def test_sync_lookup_forwards_the_followup_hint():
+    rec = RecordingPlacement(Cascade(["dram"]))
+    with KVStore(lambda: TieredStore([dram(8)], placement=rec)) as kv:
+        kv.lookup(KEYS[:4], followup=0)
+        with pytest.raises(InvalidHint):
+            kv.lookup(KEYS[:4], followup=2)
+        assert kv.store.stats.lookups == 1
+    assert rec.requests == [(4, 0.0)]
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, "yes", [0.5]])
+def test_a_bad_followup_hint_is_refused_before_anything_changes(run, bad):
+    rec = RecordingPlacement(Cascade(["dram"]))
+    s = TieredStore([dram(8)], placement=rec)
+    run(s.aput(ID, KEYS[:2], [block(0), block(1)]))
+    with pytest.raises(InvalidHint):
+        run(s.alookup(KEYS[:2], followup=bad))
+    assert s.stats.lookups == 0 and s.stats.lookup_blocks == 0 and rec.requests == []
+    assert run(s.alookup(KEYS[:2])).prefix_blocks == 2    # and the store still serves
 
 
 def test_prefetch_promotes_and_is_bounded(run):

@@ -10,6 +10,7 @@ from kvstore.bench.replay import (
     ReplayConfig,
     build_simulator,
     load_requests,
+    oracle_followups,
     render_table,
     run_replay,
     storable,
@@ -18,6 +19,7 @@ from kvstore.bench.sweep import render_table as sweep_table
 from kvstore.bench.sweep import run_sweep
 from kvstore.bench.trace import TraceRequest
 from kvstore.bench.workload import AgentWorkloadConfig
+from kvstore.errors import ConfigError
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 WL = AgentWorkloadConfig(seed=3, working_set_tokens=200_000, duration_s=90, tenants=3)
@@ -28,7 +30,7 @@ CFG = ReplayConfig(hbm_tokens=60_000, dram_tokens=150_000, nvme_tokens=400_000, 
 def _decisions(policy, reqs, cfg):
     sim = build_simulator(policy, cfg, make_cost_model(), record_events=True)
     return [(tuple(r.hit_tiers), tuple(r.events)) for r in
-            (sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, cfg)) for q in reqs)]
+            (sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, cfg), q.followup) for q in reqs)]
 
 
 @pytest.mark.parametrize("policy", ["hbm-only", "always-offload", "lru", "regime"])
@@ -91,7 +93,7 @@ def test_data_plane_mirrors_decisions_and_changes_nothing():
         assert with_dp["policies"][name]["hit_rate"] == without["policies"][name]["hit_rate"]
         sim = build_simulator(name, CFG, make_cost_model())
         for q in reqs:
-            sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, CFG))
+            sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, CFG), q.followup)
         for i, t in enumerate(sim.tiers):
             assert planes[name].tiers[i] == {k for k in planes[name].tiers[i] if k in t.order}
             assert len(planes[name].tiers[i]) == len(t.order)
@@ -159,3 +161,36 @@ def test_whole_mooncake_trace_with_the_data_plane_under_five_minutes(tmp_path):
         assert p["data_plane"]["ok"] and p["data_plane"]["verified_blocks"] > 0, name
         if name in plain["policies"]:
             assert p["hit_rate"] == plain["policies"][name]["hit_rate"]
+
+
+def test_oracle_followups_mark_requests_a_later_one_extends():
+    cfg = ReplayConfig(hbm_tokens=1024, block_tokens=512)
+    full = lambda ids: TraceRequest(0.0, 512 * len(ids), 1, ids)  # noqa: E731
+    reqs = [full((0, 1, 2)), full((0, 5)), full((0, 1, 2, 3)), full((0, 5)), full((0, 9))]
+    # 1st: extended by the 3rd; 2nd: re-sent whole by the 4th (nothing new -> its last block);
+    # 3rd, 4th, 5th: nothing later carries their content
+    assert oracle_followups(reqs, cfg) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    partial = [TraceRequest(0.0, 700, 1, (0, 1)), TraceRequest(1.0, 1100, 1, (0, 1, 2))]
+    # the 1st seals only block 0 (not its own, but its whole sealed context), which the 2nd re-sends
+    assert oracle_followups(partial, cfg) == [1.0, 0.0]
+
+
+def test_regime_oracle_reads_the_future_and_regime_uses_trace_hints():
+    wl = AgentWorkloadConfig(seed=3, working_set_tokens=1_000_000, duration_s=40, tenants=2)
+    reqs = load_requests(workload=wl)
+    assert any(r.followup == 1.0 for r in reqs) and any(r.followup == 0.0 for r in reqs)
+    cfg = replace(CFG, policies=("lru", "regime", "regime-oracle"))
+    hinted, blind = (run_replay(reqs, replace(cfg, hints=h))["policies"] for h in ("trace", "none"))
+    assert hinted["lru"] == blind["lru"] and hinted["regime-oracle"] == blind["regime-oracle"]
+    assert hinted["regime"]["hit_rate"] > blind["regime"]["hit_rate"] + 0.02
+    assert blind["regime-oracle"]["hit_rate"] > blind["regime"]["hit_rate"]
+    # the oracle's hints are read from the future: change it and the past decisions change
+    t = len(reqs) // 2
+    fake = [replace(r, hash_ids=tuple(10**9 + i * 1000 + j for j in range(len(r.hash_ids))))
+            for i, r in enumerate(reqs[t:])]
+    assert oracle_followups(reqs, cfg)[:t] != oracle_followups(reqs[:t] + fake, cfg)[:t]
+
+
+def test_unknown_hint_source_is_a_config_error():
+    with pytest.raises(ConfigError, match="hints"):
+        replace(CFG, hints="future")

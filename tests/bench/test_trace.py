@@ -55,3 +55,17 @@ def test_mooncake_trace_reads_and_round_trips_bytes():
     head = "".join(MOONCAKE.read_text().splitlines(keepends=True)[:50])
     assert buf.getvalue() == head
     assert len(list(iter_trace(MOONCAKE, limit=7))) == 7
+
+
+def test_followup_hint_field(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7], "followup": true}\n'
+                 '{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [7], "followup": 0.25}\n'
+                 '{"timestamp": 2, "input_length": 512, "output_length": 1, "hash_ids": [7]}\n')
+    assert [r.followup for r in read_trace(p)] == [1.0, 0.25, None]
+    for bad in ("1.5", '"yes"', "-0.1"):
+        p.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7]}\n'
+                     f'{{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7], "followup": {bad}}}\n')
+        with pytest.raises(TraceFormatError, match="followup") as ei:
+            read_trace(p)
+        assert ei.value.line == 2

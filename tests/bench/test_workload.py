@@ -72,3 +72,13 @@ def test_config_validation():
         AgentWorkloadConfig(steps=(5, 2))
     with pytest.raises(ConfigError):
         AgentWorkloadConfig(fork_prob=2.0)
+
+
+def test_every_call_says_whether_its_task_has_another_step():
+    reqs = generate(CFG)
+    assert all(r.followup == float(r.extra["step"] + 1 < r.extra["steps"]) for r in reqs)
+    by_task: dict = {}
+    for r in reqs:
+        by_task.setdefault(r.task_id, []).append(r)
+    for calls in by_task.values():            # a task's last call has no follow-up, the others do
+        assert [c.followup for c in calls] == [1.0] * (len(calls) - 1) + [0.0]

@@ -8,9 +8,11 @@ pytest.importorskip("transformers", reason="the hf connector needs transformers"
 
 from kvstore.connectors.hf import HFPrefixCache, cache_kwarg, identity_for_model
 
+from kvstore.errors import InvalidHint
 from kvstore.outcomes import MissReason, PutOutcome
 from tests.connectors.stores import CorruptOnRead, DownStore, make_store
 from tests.connectors.tiny_model import VOCAB_SIZE, build_model
+from tests.placements import RecordingPlacement
 
 pytestmark = pytest.mark.hf
 BT = 16                      # block tokens
@@ -104,6 +106,16 @@ def test_identical_prefix_hits_every_sealed_block(model, store, ident, saved_pro
     pc = HFPrefixCache(store, ident, config=model.config)
     assert store.lookup(pc.keys(saved_prompt)).prefix_blocks == 6
     assert pc.load(saved_prompt).num_blocks == 6          # 100 tokens: 96 restorable, 4 recomputed
+
+
+def test_load_hands_the_followup_hint_to_the_placement(model, store, ident, saved_prompt, monkeypatch):
+    rec = RecordingPlacement(store.store.placement)
+    monkeypatch.setattr(store.store, "placement", rec)
+    pc = HFPrefixCache(store, ident, config=model.config)
+    assert pc.load(saved_prompt, followup=0.75).num_blocks == 6
+    with pytest.raises(InvalidHint):                     # the caller's bug: raised, store not asked
+        pc.load(saved_prompt, followup=1.5)
+    assert rec.requests == [(6, 0.75)] and pc.guard.errors == 0
 
 
 @pytest.mark.parametrize("change", [

@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidHint
 from kvstore.policies.base import PlacementPolicy
 from kvstore.policies.eviction import ClassedLRU
 from kvstore.policies.regime import (FrequencyFilter, Regime, RegimeConfig, RegimePlacement, ReuseModel,
@@ -208,3 +208,28 @@ def test_exclusive_write_back_skips_blocks_l3_still_holds():
     q.make_order("nvme").insert(11)
     q.on_request([10, 11, 12, 13], 0.0)
     assert q.on_evict(11, 0) == 1
+
+
+def test_follow_up_hints_get_classes_whose_trust_is_learnt():
+    """Hinted requests get their own two classes; their rates are what came
+    true, so inverted hints are learnt as inverted, not obeyed."""
+    m = ReuseModel()
+    for i in range(10):
+        a, b = 100 + i, 200 + i
+        assert m.observe([0, a], float(i), followup=0.0) == 2 * ReuseModel.DEPTHS   # "unlikely"...
+        m.observe([0, a, b], 50.0 + i)                                            # ...yet extended
+        assert m.observe([0, 300 + i], 60.0 + i, followup=1.0) == 2 * ReuseModel.DEPTHS + 1
+    hi, lo = 2 * ReuseModel.DEPTHS + 1, 2 * ReuseModel.DEPTHS
+    assert m.rate(lo) == pytest.approx(11 / 12) and m.rate(hi) == pytest.approx(1 / 12)
+    assert m.rate(lo) > m.rate(0)            # unhinted requests keep their own classes
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan"), "yes", [1]])
+def test_bad_follow_up_hint_is_a_typed_error_and_changes_nothing(bad):
+    p = RegimePlacement(["hbm", "dram"], RegimeConfig())
+    p.on_request([1, 2], 0.0)
+    before = p.stats()
+    with pytest.raises(InvalidHint):
+        p.on_request([1, 2, 3], 1.0, bad)
+    assert p.stats() == before
+    p.on_request([1, 2, 3], 1.0, True)       # bools and numbers in [0, 1] are fine
