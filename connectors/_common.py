@@ -29,11 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvstore.policies.base import check_followup
-
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
 from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.policies.base import check_followup
 
 log = logging.getLogger("kvstore.connectors")
 T = TypeVar("T")

@@ -34,10 +34,9 @@ from kvstore.connectors._common import (
     dtype_name,
     rope_fields,
 )
-from kvstore.policies.base import check_followup
-
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.policies.base import check_followup
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
 
