@@ -193,6 +193,7 @@ class _ReqState:
     load: tuple[int, int] | None = None      # (first block, end block) to load
     saved_upto: int = 0                      # blocks before this are saved or loaded
     followup: float | None = None            # the request's follow-up hint, if it gave one
+    counted: bool = False                    # the store has counted this request's lookup
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -259,20 +260,29 @@ class KVStoreConnector(KVConnectorBase_V1):
                 chain.extend(tokens, extras)
         return [chain.keys[:upto_blocks] for chain in st.chains]
 
-    def _stored_prefix(self, keys: list[list[BlockKey]], followup: float | None) -> int:
+    def _stored_prefix(self, st: _ReqState, keys: list[list[BlockKey]]) -> int:
+        """The prefix every rank holds. The store counts one lookup per request
+        (its working set and reuse estimates see requests): vLLM asks again
+        while a request waits for blocks, and the other ranks' keys are the
+        same request, so those lookups are probes."""
         if not keys[0]:
             return 0
-        def prefix(k: list[BlockKey]) -> int:
-            return self.store.lookup(k, followup=followup).prefix_blocks
-        return min(self.guard.call("lookup", lambda k=k: prefix(k), 0) for k in keys)
+        def prefix(k: list[BlockKey], probe: bool) -> int:
+            return self.store.lookup(k, followup=None if probe else st.followup,
+                                     probe=probe).prefix_blocks
+        found = []
+        for k in keys:
+            probe = st.counted
+            found.append(self.guard.call("lookup", lambda k=k, probe=probe: prefix(k, probe), 0))
+            st.counted = True
+        return min(found)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load:
             return 0, False
         st = self._state(request)
-        st.hit_blocks = self._stored_prefix(self._keys(st, request.num_tokens // self.block_size),
-                                            st.followup)
+        st.hit_blocks = self._stored_prefix(st, self._keys(st, request.num_tokens // self.block_size))
         # vLLM must compute at least the last token: when every block of the
         # prompt is stored, all are loaded and only that token is recomputed
         # (its slot is rewritten with the same value), not its whole block
@@ -329,9 +339,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         keys = self._keys(st, sealed)
         todo = list(range(st.saved_upto, sealed))
-        # skip blocks the store already holds (another request computed them)
-        held = self.guard.call("lookup", lambda: self.store.lookup([keys[0][i] for i in todo]).tiers,
-                               [None] * len(todo))
+        # skip blocks the store already holds (another request computed them);
+        # a probe: this request was counted when it was scheduled
+        held = self.guard.call(
+            "lookup", lambda: self.store.lookup([keys[0][i] for i in todo], probe=True).tiers,
+            [None] * len(todo))
         todo = [i for i, where in zip(todo, held) if where is None]
         st.saved_upto = sealed
         if todo:

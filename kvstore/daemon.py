@@ -296,9 +296,13 @@ class Daemon:
 
     async def _lookup(self, ten: Tenant, meta: dict) -> dict:
         # the store checks the hint (InvalidHint goes back to the client as a typed error)
-        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"))
-        ten.lookup_blocks += len(res.tiers)
-        ten.lookup_hit_blocks += res.prefix_blocks
+        probe = meta.get("probe", False)
+        if not isinstance(probe, bool):
+            raise KVStoreError("lookup's probe must be true or false")
+        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
+        if not probe:
+            ten.lookup_blocks += len(res.tiers)
+            ten.lookup_hit_blocks += res.prefix_blocks
         return {"prefix": res.prefix_blocks, "tiers": res.tiers,
                 "reasons": [r.value if r is not None else None for r in res.reasons]}
 

@@ -38,6 +38,9 @@ def render_metrics(daemon: Daemon) -> str:
     family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
     family("misses_total", "counter", "Blocks missed by get, by reason.",
            [({"reason": r.value}, snap["misses"][r.value]) for r in MissReason])
+    family("lookups_total", "counter", "Lookups counted as requests.", [({}, snap["lookups"])])
+    family("probes_total", "counter", "Lookups that asked again about a request (not counted).",
+           [({}, snap["probes"])])
     family("lookup_misses_total", "counter", "Why each lookup's stored prefix ended.",
            [({"reason": r.value}, snap["lookup_misses"][r.value]) for r in MissReason])
     for key, kind, help_ in (("hits", "counter", "Hits served by the tier."),

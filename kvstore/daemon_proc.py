@@ -110,7 +110,11 @@ class DaemonProc:
                 self.proc.wait(10)
             self.proc = None
 
+    def stats(self) -> dict[str, Any]:
+        """The daemon store's snapshot (lookups, probes, misses, tiers, ...)."""
+        with self.client() as c:
+            return c.stats()
+
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """The daemon store's per-tier counters (hits, puts, used_bytes, ...)."""
-        with self.client() as c:
-            return c.stats()["tiers"]
+        return self.stats()["tiers"]

@@ -51,7 +51,7 @@ STATUS_ERROR = 1
 class Op(enum.IntEnum):
     HELLO = 1         # {"token"} -> {"tenant", "shm"}: must be the first frame
     PING = 2          # health: {} -> {"ok", "draining", "uptime_s"}
-    LOOKUP = 3        # {"keys", [followup: float in [0, 1]]} -> {"prefix", "tiers", "reasons"}
+    LOOKUP = 3        # {"keys", [followup: float in [0, 1]], [probe: bool]} -> {"prefix", "tiers", "reasons"}
     PUT = 4           # {"identity", "keys", [shm]} + payload -> {"outcomes"}
     GET = 5           # {"identity", "keys", [shm]} -> {"hits": [bool]} + hit payloads
     PREFETCH = 6      # {"keys", "to"} -> {"moved"} (replies when the prefetch ends)

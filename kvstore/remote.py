@@ -268,13 +268,17 @@ class RemoteStore:
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     # -- the store API --------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
-        """``followup``: see :meth:`TieredStore.alookup`. Checked here too, so a
-        bad hint fails the same way against a daemon too old to know the field."""
+    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
+               probe: bool = False) -> LookupResult:
+        """``followup``, ``probe``: see :meth:`TieredStore.alookup`. The hint is
+        checked here too, so it fails the same way against a daemon too old to
+        know the field."""
         followup = check_followup(followup)
         meta: dict[str, Any] = {"keys": [check_key(k) for k in keys]}
         if followup is not None:  # absent = unknown; older daemons ignore the field
             meta["followup"] = followup
+        if probe:                 # absent = a request; older daemons count probes as requests
+            meta["probe"] = True
         r = self._with_conn(lambda c: c.call(Op.LOOKUP, meta))
         return LookupResult(r["prefix"], r["tiers"], [None if x is None else MissReason(x) for x in r["reasons"]])
 

@@ -35,6 +35,7 @@ class StoreStats:
     tenant_hits: Counter = field(default_factory=Counter)
     tenant_misses: Counter = field(default_factory=Counter)
     lookups: int = 0
+    probes: int = 0            # lookups that were not requests (see TieredStore.alookup)
     lookup_blocks: int = 0
     lookup_hit_blocks: int = 0
     prefetches: int = 0
@@ -80,7 +81,7 @@ class StoreStats:
             "lookup_misses": {r.value: self.lookup_misses.get(r, 0) for r in MissReason},
             "tiers": {n: {k: getattr(c, k) for k in c.__slots__} for n, c in self.tiers.items()},
             "tenants": dict(per_tenant),
-            "lookups": self.lookups, "lookup_blocks": self.lookup_blocks,
+            "lookups": self.lookups, "probes": self.probes, "lookup_blocks": self.lookup_blocks,
             "lookup_hit_blocks": self.lookup_hit_blocks,
             "prefetches": self.prefetches, "prefetched_blocks": self.prefetched_blocks,
             "invalidated_blocks": self.invalidated_blocks,

@@ -81,12 +81,18 @@ class TieredStore:
         self._flush_on_close = flush_on_close
 
     # -- lookup -----------------------------------------------------------------
-    async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
+    async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
+                      probe: bool = False) -> LookupResult:
         """Where each key is stored, and the longest stored prefix.
 
         ``followup``: the caller's probability in [0, 1] that this request's
         context will be sent again, or None (unknown); the placement may use
-        it. Checked first, so a bad hint (InvalidHint) leaves the store as it was."""
+        it. Checked first, so a bad hint (InvalidHint) leaves the store as it was.
+        ``probe``: the caller asks again about a request it already looked up
+        (a save skipping held blocks, a retried schedule, another TP rank):
+        the answer is the same, but it is not counted as a request, neither in
+        the lookup stats nor by the placement, whose working set and reuse
+        estimates would otherwise see one request several times."""
         followup = check_followup(followup)
         keys = [check_key(k) for k in keys]
         where: list[int | None] = [None] * len(keys)
@@ -100,14 +106,21 @@ class TieredStore:
                     where[i] = ti
             todo = [i for i in todo if where[i] is None]
         prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
+        reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
+        if probe:
+            self.stats.probes += 1
+        else:
+            self._count_request(keys, prefix, reasons, followup)
+        return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
+
+    def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None],
+                       followup: float | None) -> None:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
         self.stats.lookup_hit_blocks += prefix
-        self.placement.on_request(keys, self.clock(), followup=followup)
-        reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
         if prefix < len(keys):
             self.stats.lookup_misses[reasons[prefix]] += 1
-        return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
+        self.placement.on_request(keys, self.clock(), followup=followup)
 
     def _reason(self, key: BlockKey) -> MissReason:
         return self._gone.get(key, MissReason.NEVER_STORED)

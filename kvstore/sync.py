@@ -52,8 +52,9 @@ class KVStore:
             return fn()
         return self._call(_inner())
 
-    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None) -> LookupResult:
-        return self._call(self.store.alookup(keys, followup=followup))
+    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
+               probe: bool = False) -> LookupResult:
+        return self._call(self.store.alookup(keys, followup=followup, probe=probe))
 
     def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],
             blocks: Sequence[object]) -> list[PutOutcome]:

@@ -230,6 +230,26 @@ def test_lookup_carries_the_followup_hint_to_the_daemons_placement(served):
     assert rec.requests == [(6, 0.9), (6, 0.0), (6, None)]
 
 
+def test_a_probe_over_the_wire_is_not_a_request(served):
+    store = served.daemon.store
+    store.placement = rec = RecordingPlacement(store.placement)
+    keys, blocks = blocks_for(11)
+    with client(served.url) as c:
+        c.put(IDENT, keys[:3], blocks[:3])
+        assert c.lookup(keys, followup=0.5).prefix_blocks == 3
+        probed = c.lookup(keys, probe=True)
+        assert probed.prefix_blocks == 3 and probed.tiers[:3] == ["dram"] * 3
+        s = raw_conn(served.daemon.config.unix_path)          # probe must be a bool
+        s.sendall(frame(Op.LOOKUP, 2, {"keys": keys, "probe": 1}))
+        _, status, meta = read_reply(s)
+        assert status == STATUS_ERROR and "probe" in meta["message"], meta
+        s.close()
+        snap, metrics = c.stats(), c.metrics()
+    assert rec.requests == [(6, 0.5)]
+    assert (snap["lookups"], snap["probes"]) == (1, 1)
+    assert "kvstore_lookups_total 1\n" in metrics and "kvstore_probes_total 1\n" in metrics
+
+
 @pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, "yes"])
 def test_a_bad_followup_hint_is_a_typed_error_and_the_daemon_keeps_serving(served, bad):
     keys, blocks = blocks_for(10)

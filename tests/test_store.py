@@ -178,6 +178,20 @@ def test_sync_lookup_forwards_the_followup_hint():
     assert rec.requests == [(4, 0.0)]
 
 
+@pytest.mark.parametrize("inner", [Cascade, RegimePlacement], ids=["cascade", "regime"])
+def test_a_probe_answers_like_a_lookup_but_is_not_a_request(run, inner):
+    rec = RecordingPlacement(inner(["hbm", "dram"]))
+    s = TieredStore([dram(4, "hbm"), dram(16)], placement=rec)
+    run(s.aput(ID, KEYS[:2], [block(0), block(1)]))
+    asked = run(s.alookup(KEYS[:3], followup=0.9))
+    probed = run(s.alookup(KEYS[:3], probe=True))
+    assert probed == asked and probed.prefix_blocks == 2
+    assert rec.requests == [(3, 0.9)]                      # the placement saw one request
+    snap = s.snapshot()
+    assert (snap["lookups"], snap["lookup_blocks"], snap["lookup_hit_blocks"], snap["probes"]) == (1, 3, 2, 1)
+    assert sum(snap["lookup_misses"].values()) == 1
+
+
 @pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, "yes", [0.5]])
 def test_a_bad_followup_hint_is_refused_before_anything_changes(run, bad):
     rec = RecordingPlacement(Cascade(["dram"]))

@@ -146,7 +146,8 @@ def runs(tmp_path_factory):
     out: dict = {"stats": {}}
     try:
         runner.wait_for_engine("loader", 600)
-        out["stats"]["loaded"] = daemon.tier_stats()
+        out["store"] = daemon.stats()
+        out["stats"]["loaded"] = out["store"]["tiers"]
         out["stop_rc"] = daemon.stop()
         out["segments"] = sorted(p.name for p in (tmp / "daemon" / "nvme").glob("*.seg"))
         daemon.start()
@@ -183,6 +184,13 @@ def test_fresh_engine_loads_from_daemon_dram_and_emits_the_plain_tokens(runs):
     stats = runs["stats"]["loaded"]
     assert stats["dram"]["hits"] == A_BLOCKS + C_BLOCKS
     assert stats["nvme"]["hits"] == 0
+
+
+def test_the_store_counts_one_lookup_per_request(runs):
+    # saver and loader served two prompts each; the saver's checks for blocks
+    # the store already holds are probes, which the placement does not see
+    assert runs["store"]["lookups"] == 4
+    assert runs["store"]["probes"] >= 2
 
 
 def test_sigterm_flushes_dram_to_nvme(runs):
