@@ -42,6 +42,10 @@ class Leases:
             return False
         return True
 
+    def any_pinned(self, keys: Iterable[BlockKey]) -> bool:
+        """Whether one of ``keys`` is pinned (no pins: answered without looking)."""
+        return bool(self._pins) and any(self.is_pinned(k) for k in keys)
+
     def refcount(self, key: BlockKey) -> int:
         return self._refs[key]
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -64,6 +64,10 @@ class TieredStore:
             for key in tier.iter_keys():
                 order.insert(key)
         self.leases = Leases(clock)
+        for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
+            honour_pins = getattr(tier, "honour_pins", None)
+            if honour_pins is not None:
+                honour_pins(self.leases.any_pinned)
         self.clock = clock
         self.stats = StoreStats()
         for n in names:
@@ -212,8 +216,8 @@ class TieredStore:
     async def _make_room(self, ti: int, spec: BlockSpec, count: int = 1) -> None:
         """Evict (demote) unprotected blocks until ``count`` blocks fit, or none is left.
 
-        Self-evicting tiers (NVMe segments, FIFO) make room themselves and do
-        not consult pins: a pin protects a block in the tiers the store evicts."""
+        Self-evicting tiers (NVMe segments, FIFO) make room themselves,
+        keeping what is pinned (see ``honour_pins``)."""
         tier = self.tiers[ti]
         if count <= 0 or getattr(tier, "self_evicting", False):
             return
@@ -388,8 +392,9 @@ class TieredStore:
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
-        expired. Self-evicting tiers (NVMe's FIFO segments) do not see pins:
-        keep blocks that must stay in a tier the store evicts (HBM, DRAM, Redis)."""
+        expired, in any tier; NVMe keeps the segments that hold them (a put
+        that finds every segment pinned gets NO_SPACE there). Pins live in
+        this process: a restart drops them."""
         self.leases.pin([check_key(k) for k in keys], ttl_s)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
@@ -424,6 +429,9 @@ class TieredStore:
         snap = self.stats.snapshot()
         for tier, name in zip(self.tiers, self.names):
             snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes)
+            own = getattr(tier, "counters", None)   # a tier's own totals (NVMe: compactions, ...)
+            if is_dataclass(own):
+                snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()
         return snap
 

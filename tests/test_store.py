@@ -13,11 +13,12 @@ from kvstore.keys import block_keys
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
 from kvstore.policies.placement import Cascade
 from kvstore.policies.regime import RegimePlacement
-from kvstore.record import BlockSpec
+from kvstore.record import HEADER_BYTES, BlockSpec
 from kvstore.store import TieredStore
 from kvstore.sync import KVStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 from tests.placements import RecordingPlacement
 
 ID = CacheIdentity("test/model", KVLayout(2, 2, 32, 16, dtype="float16"))
@@ -111,6 +112,28 @@ def test_pinned_blocks_are_never_evicted(run):
     now[0] = 11.0  # the lease expired
     assert run(s.aput(ID, [KEYS[4]], [block(4)])) == [PutOutcome.STORED]
     s.unpin(KEYS[:4])
+
+
+def test_a_pin_keeps_a_block_on_nvme_through_fifo_eviction(run, tmp_path):
+    keys = block_keys(ID, list(range(16 * 40)))
+    rec = BB + HEADER_BYTES
+    now = [0.0]
+    nvme = NvmeTier(NvmeConfig(tmp_path / "nvme", 8 * rec, segment_bytes=2 * rec,
+                               background_compaction=False))
+    s = TieredStore([nvme], clock=lambda: now[0])
+    run(s.aput(ID, keys[:2], [block(i) for i in range(2)]))      # the oldest segment
+    s.pin(keys[:1], ttl_s=10)
+    for i in range(2, 20):
+        assert run(s.aput(ID, [keys[i]], [block(i)])) == [PutOutcome.STORED]
+    dst = np.zeros(BB, np.uint8)
+    assert run(s.aget_into(ID, keys[:1], [dst])) == [None] and np.array_equal(dst, block(0))
+    assert run(s.alookup(keys[2:3])).reasons == [MissReason.EVICTED]   # newer ones went instead
+    now[0] = 11.0                                                # the lease expired: FIFO again
+    for i in range(20, 24):
+        run(s.aput(ID, [keys[i]], [block(i)]))
+    assert run(s.alookup(keys[:1])).reasons == [MissReason.EVICTED]
+    assert s.snapshot()["tiers"]["nvme"]["tier"]["pinned_evicted_segments"] == 0
+    run(nvme.close())
 
 
 def test_pin_needs_a_positive_ttl():

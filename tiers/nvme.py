@@ -38,7 +38,11 @@ Rules that keep it correct:
   including appends in flight) and never exceeds ``capacity_bytes``. When
   a put needs room the oldest segment is evicted whole (FIFO by segment,
   no per-block bookkeeping on the hot path); its live keys are handed out
-  by :meth:`NvmeTier.drain_evicted`. Segments whose live share drops below
+  by :meth:`NvmeTier.drain_evicted`. A segment holding a pinned block (see
+  :meth:`NvmeTier.honour_pins`) is skipped for the next oldest one that
+  can go without bringing an older record back on the next open: none of
+  its tombstones still needed, none of its live keys with a dead put in
+  an older segment. If no segment can go, the put gets NO_SPACE. Segments whose live share drops below
   ``compact_ratio`` are rewritten (live records copied forward) in the
   background and on :meth:`NvmeTier.compact`.
 
@@ -66,7 +70,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.keys import BlockKey, check_key
@@ -162,11 +166,13 @@ class NvmeTier(NvmeMaintenance, TierOps):
         self._graves: dict[BlockKey, set[int]] = {}  # key -> ids of segments holding a dead put of it
         self._grave_epoch = 0                      # bumped when a segment's graves go: prune tombs again
         self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
+        self._any_pinned: Callable[[Iterable[BlockKey]], bool] = _nothing_pinned
         self._active: Segment | None = None
         self._used = 0
         self._next_id = 1
         self._closed = False
         self._compactor: asyncio.Task | None = None
+        self._compaction_lock = asyncio.Lock()
         self.counters = NvmeCounters()
         try:
             self._open_segments()
@@ -254,13 +260,46 @@ class NvmeTier(NvmeMaintenance, TierOps):
 
     def _prune_tombs(self, seg: Segment) -> None:
         """Forget ``seg``'s tombstones that are no longer needed (cheap when the
-        graves have not changed since the last prune)."""
+        graves have not changed since the last prune). A pending key's stay
+        remembered: should its put fail, they hide the older put again."""
         if seg.tombs and seg.pruned != self._grave_epoch:
-            seg.tombs = {k: h for k, h in seg.tombs.items() if self._tomb_needed(k, seg)}
+            seg.tombs = {k: h for k, h in seg.tombs.items()
+                         if k in self._pending or self._tomb_needed(k, seg)}
         seg.pruned = self._grave_epoch
 
     def _oldest(self) -> Segment | None:
         return next(iter(self._segments.values()), None)
+
+    def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None:
+        """Have eviction keep segments for which ``any_pinned(live keys)`` is
+        true (the store passes its leases' check)."""
+        self._any_pinned = any_pinned
+
+    def _victim(self, *, for_tombstone: bool = False) -> Segment | None:
+        """The segment eviction drops next: the oldest, unless it holds a pinned
+        block; then the oldest that holds none and can go out of FIFO order.
+        A tombstone must be written (a delete that is not on disk comes back
+        on the next open), so for one the oldest goes even if pinned."""
+        for i, seg in enumerate(self._segments.values()):
+            if not self._any_pinned(seg.keys) and (i == 0 or self._droppable_out_of_order(seg)):
+                return seg
+        if for_tombstone and self._segments:
+            self.counters.pinned_evicted_segments += 1
+            return self._oldest()
+        return None
+
+    def _droppable_out_of_order(self, seg: Segment) -> bool:
+        """Whether ``seg`` can go while an older segment stays: on the next open
+        none of the older segment's records may come back. Not while records
+        are being written into it (their keys are not indexed yet); not if its
+        tombstones may hide an older put; not if a live key has a dead put in
+        an older segment, which would read as live once this one is gone."""
+        if seg is self._active or seg.writing:
+            return False
+        self._prune_tombs(seg)
+        if seg.tombs:
+            return False
+        return not any(sid < seg.id for key in seg.keys for sid in self._graves.get(key, ()))
 
     def _drop(self, seg: Segment) -> None:
         """Forget and unlink a segment (its live keys must already be gone)."""
@@ -315,16 +354,16 @@ class NvmeTier(NvmeMaintenance, TierOps):
         self._active = seg
         return seg
 
-    def _reserve(self, nbytes: int) -> tuple[Segment, int] | None:
-        """Place ``nbytes`` at the end of the active segment, evicting the oldest
-        segments until it fits under capacity. None if it can never fit."""
+    def _reserve(self, nbytes: int, *, tombstone: bool = False) -> tuple[Segment, int] | None:
+        """Place ``nbytes`` at the end of the active segment, evicting segments
+        (see ``_victim``) until it fits under capacity. None if it cannot fit."""
         if nbytes > self._capacity:
             return None
         act = self._active
         if act is not None and act.size and act.size + nbytes > self._seg_limit:
             self._active = None  # sealed: full
         while self._used + nbytes > self._capacity:
-            victim = self._oldest()
+            victim = self._victim(for_tombstone=tombstone)
             if victim is None:
                 return None
             self._evict(victim)
@@ -349,13 +388,16 @@ class NvmeTier(NvmeMaintenance, TierOps):
         places: list[tuple[Segment, int] | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
-        for i, (_, head, payload, _) in enumerate(items):
+        for i, (key, head, payload, _) in enumerate(items):
             size = HEADER_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
-            where = self._reserve(size)
+            tomb = head is not None and bool(head.flags & FLAG_TOMBSTONE)
+            where = self._reserve(size, tombstone=tomb)
             places.append(where)
             if where is None:
                 continue
             seg, off = where
+            if tomb:  # known from now on: eviction must not drop it while it hides an older put
+                seg.tombs[key] = head
             if groups and groups[-1][0] is seg and off == end:
                 groups[-1][2].append(i)
             else:
@@ -451,9 +493,7 @@ class NvmeTier(NvmeMaintenance, TierOps):
         need = [loc for loc in doomed if loc.header.key in self._graves]
         items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
         if items:
-            for (key, head, _, _), res in zip(items, await self._append(items)):
-                if isinstance(res, _Loc) and not res.seg.retired:
-                    res.seg.tombs[key] = head
+            await self._append(items)  # registers each tombstone in its segment (see _append)
         if self._fsync and len(need) < len(doomed):  # make the unlinks that replaced them durable
             await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
 
@@ -643,3 +683,7 @@ def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, bytes, memor
     """Worker: take reads from the shared queue until it is empty."""
     for i, fd, off, head, packed, dst in queue:
         results[i] = read_record_into(fd, off, head, packed, dst)
+
+
+def _nothing_pinned(keys: Iterable[BlockKey]) -> bool:
+    return False

@@ -58,6 +58,7 @@ class NvmeCounters:
     corrupt: int = 0              # blocks dropped because their record failed a check
     evicted_blocks: int = 0
     evicted_segments: int = 0
+    pinned_evicted_segments: int = 0  # evicted despite a pin: a tombstone found every segment pinned
     compactions: int = 0
     compacted_bytes: int = 0      # live bytes copied forward by compaction
     reclaimed_bytes: int = 0      # segment bytes freed by compaction
@@ -95,8 +96,6 @@ class NvmeMaintenance:
         A segment is skipped while copying its live bytes would not fit under
         capacity: FIFO eviction reclaims it then."""
         self._check_open()
-        if self._compactor is not None:
-            await asyncio.gather(self._compactor, return_exceptions=True)
         return await self._compact_all()
 
     def _schedule_compaction(self: "NvmeTier") -> None:
@@ -136,6 +135,13 @@ class NvmeMaintenance:
         return self._used + seg.live_bytes + HEADER_BYTES * len(seg.tombs) <= self._capacity
 
     async def _compact_all(self: "NvmeTier") -> int:
+        # One compaction at a time: two copying the same segment would leave a
+        # dead copy of a key in a segment newer than its live record, which
+        # comes back on the next open once the live one is evicted.
+        async with self._compaction_lock:
+            return await self._compact_candidates()
+
+    async def _compact_candidates(self: "NvmeTier") -> int:
         freed = 0
         progress = True
         while progress and not self._closed:
@@ -224,13 +230,7 @@ class NvmeMaintenance:
             return True
         carry = [(k, h, b"", None) for k, h in seg.tombs.items() if self._tomb_needed(k, seg)]
         self.counters.carried_tombstones += len(carry)
-        ok = True
-        for (key, head, _, _), res in zip(carry, await self._append(carry)):
-            if isinstance(res, _Loc) and not res.seg.retired:
-                res.seg.tombs[key] = head
-            elif not isinstance(res, _Loc):
-                ok = False
-        return ok
+        return all(isinstance(res, _Loc) for res in await self._append(carry))
 
     async def check(self: "NvmeTier", fix: bool = False) -> CheckReport:
         """Verify every record's header and payload checksum in every segment

@@ -276,6 +276,94 @@ def test_eviction_bounds_disk_use_and_reports_keys(tmp_path):
     asyncio.run(main())
 
 
+def pin_check(pinned: set[bytes]):
+    """What the store hands honour_pins: whether any of some keys is pinned."""
+    return lambda keys: any(k in pinned for k in keys)
+
+
+def test_eviction_keeps_the_segment_of_a_pinned_block(tmp_path):
+    async def main():
+        pinned = {key(1)}
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        tier.honour_pins(pin_check(pinned))
+        for i in range(30):
+            assert await put(tier, [i]) == [PutOutcome.STORED]
+            assert tier.used_bytes <= tier.capacity_bytes
+        evicted = tier.drain_evicted()
+        held = set(tier.iter_keys())
+        assert {key(0), key(1)} <= held and not {key(0), key(1)} & set(evicted)  # its whole segment
+        newest = {key(i) for i in range(30 - (len(held) - 2), 30)}
+        assert held == {key(0), key(1)} | newest and len(newest) >= 4       # the rest is FIFO
+        assert set((await outcomes(tier, [0, 1])).values()) == {GetOutcome.HIT}
+        pinned.clear()                                                      # unpinned: oldest first again
+        await put(tier, [30, 31])
+        assert tier.drain_evicted()[:2] == [key(0), key(1)]
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_put_with_every_segment_pinned_gets_no_space_and_loses_nothing(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        tier.honour_pins(pin_check({key(i) for i in range(0, 8, 2)}))      # one block in each segment
+        assert await put(tier, range(8)) == [PutOutcome.STORED] * 8
+        assert await put(tier, [8]) == [PutOutcome.NO_SPACE]
+        assert tier.drain_evicted() == [] and tier.used_bytes <= tier.capacity_bytes
+        assert set((await outcomes(tier, range(8))).values()) == {GetOutcome.HIT}
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_delete_with_every_segment_pinned_still_persists(tmp_path):
+    """A tombstone must reach the disk or the block comes back on the next
+    open: with no other way to make room, the oldest segment goes, pins or not."""
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        tier.honour_pins(pin_check({key(i) for i in range(0, 8, 2)}))
+        await put(tier, range(8))
+        assert tier.used_bytes == tier.capacity_bytes
+        assert await tier.delete(key(3))
+        assert tier.counters.pinned_evicted_segments == 1
+        assert tier.drain_evicted() == [key(0), key(1)]        # the oldest segment, reported
+        assert tier.used_bytes <= tier.capacity_bytes
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        assert set(tier.iter_keys()) == {key(i) for i in (2, 4, 5, 6, 7)}
+        await tier.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["tombstone", "put-again"])
+def test_evicting_past_a_pinned_segment_brings_nothing_back_on_open(tmp_path, how):
+    """Segment 1 holds a pinned block and a put of key 1; a later segment
+    holds what hides that put (a tombstone of key 1, or key 1 put again
+    after its delete). Eviction must keep that later segment while segment 1
+    stays, or key 1 would come back from segment 1 on the next open."""
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        tier.honour_pins(pin_check({key(0)}))
+        await put(tier, [0, 1])                    # segment 1
+        if how == "tombstone":
+            await put(tier, [2])                   # segment 2: put 2, tombstone(1)
+            await tier.delete(key(1))
+        else:
+            await tier.delete(key(1))              # segment 2: tombstone(1), put 1
+            await put(tier, [1])
+        assert len(seg_files(tmp_path)) == 2
+        for i in range(3, 20):
+            assert await put(tier, [i]) == [PutOutcome.STORED]
+            assert tier.used_bytes <= tier.capacity_bytes
+        assert tier.drain_evicted()                # later segments did go
+        before = set(tier.iter_keys())
+        assert key(0) in before and (key(1) in before) == (how == "put-again")
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        assert set(tier.iter_keys()) == before
+        assert set((await outcomes(tier, [0, 1])).values()) <= {GetOutcome.HIT, GetOutcome.MISS}
+        await tier.close()
+    asyncio.run(main())
+
+
 def test_record_larger_than_the_tier_is_refused(tmp_path):
     async def main():
         tier = NvmeTier(cfg(tmp_path, blocks=2))
@@ -476,16 +564,20 @@ def fuzz_config(path: Path, rng) -> NvmeConfig:
                       background_compaction=rng.random() < 0.7)
 
 
-async def fuzz_op(tier: NvmeTier, model: dict[int, int], gens: dict[int, int], op: str, idx: list[int]) -> None:
+async def fuzz_op(tier: NvmeTier, model: dict[int, int], gens: dict[int, int], op: str, idx: list[int],
+                  pinned: set[bytes]) -> None:
     """One batch call, checked against the model (key index -> generation of its
     bytes). A block in the model may have been evicted by a concurrent call this
     step (the caller learns it from drain_evicted() afterwards), so a put may
-    store it again and a get or delete may miss it."""
+    store it again and a get or delete may miss it. With blocks pinned, a put
+    may find no segment it can evict."""
     keys = [key(i) for i in idx]
     if op == "put":
         new = {i: gens.get(i, 0) + (i not in model) for i in idx}
         outs = await tier.put_many(FUZZ_SPEC, keys, [fuzz_payload(i, new[i]) for i in idx])
         for i, out in zip(idx, outs):
+            if out is PutOutcome.NO_SPACE and pinned:   # not stored; if it was, its eviction is drained
+                continue
             assert out is PutOutcome.STORED or (out is PutOutcome.EXISTS and i in model)
             gens[i] = model[i] = new[i]
     elif op == "delete":
@@ -501,39 +593,58 @@ async def fuzz_op(tier: NvmeTier, model: dict[int, int], gens: dict[int, int], o
         await tier.compact()
 
 
-def forget_evicted(tier: NvmeTier, model: dict[int, int]) -> None:
+def forget_evicted(tier: NvmeTier, model: dict[int, int], pinned: frozenset[bytes] = frozenset()) -> None:
     held = set(tier.iter_keys())
     for k in tier.drain_evicted():
+        assert k not in pinned, "a pinned block was evicted"
         if k not in held:
             model.pop(int.from_bytes(k[:4], "big"), None)
+
+
+def toggle_pin(rng, model: dict[int, int], pinned: set[bytes]) -> None:
+    """Pin a held block, or unpin one (at most 3 pinned: the tier has room left)."""
+    if pinned and (len(pinned) >= 3 or rng.random() < 0.5):
+        pinned.remove(rng.choice(sorted(pinned)))
+    elif model:
+        pinned.add(key(rng.choice(sorted(model))))
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_concurrent_batches_and_restarts_match_a_model(tmp_path, seed):
     """Concurrent put/delete/get/compact batches on distinct keys, FIFO eviction
-    and reopens with other settings: the tier holds exactly the model's blocks
-    (less those drain_evicted() reported), byte-exact, before and after restarts."""
+    around pinned blocks and reopens with other settings: the tier holds exactly
+    the model's blocks (less those drain_evicted() reported, never a pinned
+    one), byte-exact, before and after restarts."""
     rng = random.Random(seed)
 
     async def main():
         model: dict[int, int] = {}
         gens: dict[int, int] = {}
+        pinned: set[bytes] = set()
         tier = NvmeTier(fuzz_config(tmp_path, rng))
+        tier.honour_pins(pin_check(pinned))
         for _ in range(250):
+            if rng.random() < 0.2:             # pins change between steps, as a store's leases would
+                toggle_pin(rng, model, pinned)
             free = list(range(60))
             rng.shuffle(free)                  # one key in one call per step: no same-key races
             calls = []
             for _ in range(rng.randint(1, 4)):
                 op = rng.choices(["put", "delete", "get", "compact"], [45, 20, 30, 5])[0]
                 idx, free = free[:rng.randint(1, 6)], free[6:]
-                calls.append(fuzz_op(tier, model, gens, op, idx))
+                calls.append(fuzz_op(tier, model, gens, op, idx, pinned))
+            forced = tier.counters.pinned_evicted_segments
             await asyncio.gather(*calls)
-            forget_evicted(tier, model)
+            # a tombstone that finds every segment pinned evicts the oldest anyway
+            forced = tier.counters.pinned_evicted_segments > forced
+            forget_evicted(tier, model, frozenset() if forced else frozenset(pinned))
             assert {int.from_bytes(k[:4], "big") for k in tier.iter_keys()} == set(model)
             assert disk_bytes(tmp_path) <= tier.used_bytes <= tier.capacity_bytes
             if rng.random() < 0.05:
                 await tier.close()
+                pinned.clear()                 # pins are the store's leases: a restart drops them
                 tier = NvmeTier(fuzz_config(tmp_path, rng))
+                tier.honour_pins(pin_check(pinned))
                 forget_evicted(tier, model)    # a smaller capacity evicts on open
                 assert {int.from_bytes(k[:4], "big") for k in tier.iter_keys()} == set(model)
         assert (await tier.check()).ok
