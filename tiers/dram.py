@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.hostmem import alloc_arena
