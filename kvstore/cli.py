@@ -84,28 +84,32 @@ def demo(working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvm
 @main.command()
 @click.option("--nvme-path", required=True, type=click.Path(exists=True, file_okay=False),
               help="The NVMe tier's directory.")
-@click.option("--fix", is_flag=True, help="Drop the corrupt blocks found (with tombstones).")
+@click.option("--fix", is_flag=True, help="Drop the corrupt blocks found (with tombstones) and "
+              "truncate torn tails. Without it the directory is only read.")
 def check(nvme_path: str, fix: bool) -> None:
-    """Verify every record of an NVMe tier directory (checksums, index); exit 1 on problems."""
+    """Verify every record of an NVMe tier directory (checksums, index); exit 1 on problems.
+    Run it while no store or daemon uses the directory (it takes the tier's lock)."""
     import asyncio  # noqa: PLC0415
     import os  # noqa: PLC0415
 
     from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
 
-    async def run() -> object:
+    async def run() -> tuple[object, int]:
+        # without --fix nothing is written: not even the torn tails open truncates
         size = sum(e.stat().st_size for e in os.scandir(nvme_path) if e.is_file())
-        tier = await NvmeTier.open(NvmeConfig(path=nvme_path, capacity_bytes=max(size, 1) * 2 + (64 << 20)))
+        tier = await NvmeTier.open(NvmeConfig(path=nvme_path, capacity_bytes=max(size, 1) * 2 + (64 << 20),
+                                              read_only=not fix))
         try:
-            return await tier.check(fix=fix)
+            return await tier.check(fix=fix), tier.counters.torn_bytes
         finally:
             await tier.close()
     try:
-        report = asyncio.run(run())
+        report, truncated = asyncio.run(run())
     except KVStoreError as exc:
         _fail(exc)
     click.echo(f"segments {report.segments}, records {report.records}, live blocks {report.live_blocks}, "
                f"tombstones {report.tombstones}, corrupt live blocks {len(report.corrupt_keys)}, "
-               f"dropped {report.dropped}")
+               f"dropped {report.dropped}" + (f", torn bytes truncated {truncated}" if fix else ""))
     for problem in report.problems:
         click.echo(f"problem: {problem}")
     sys.exit(0 if report.ok or (fix and report.dropped == len(report.corrupt_keys)) else 1)

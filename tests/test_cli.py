@@ -116,6 +116,39 @@ def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
     assert "live blocks 4" in after.stdout
 
 
+def test_check_without_fix_only_reads(tmp_path):
+    import asyncio
+    import hashlib
+    import os
+
+    import numpy as np
+
+    from kvstore.record import BlockSpec
+    from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+
+    async def fill():
+        tier = await NvmeTier.open(NvmeConfig(path=str(tmp_path), capacity_bytes=64 << 20))
+        await tier.put_many(BlockSpec.raw(8192), [bytes([i + 1]) * 32 for i in range(3)],
+                            [np.full(8192, i, np.uint8) for i in range(3)])
+        await tier.close()
+    asyncio.run(fill())
+    seg = next(f for f in os.listdir(tmp_path) if f.endswith(".seg"))
+    with open(tmp_path / seg, "ab") as f:
+        f.write(b"\x01" * 500)                       # a torn tail: an append a crash cut short
+    torn_size = (tmp_path / seg).stat().st_size
+
+    def disk() -> dict:
+        return {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in os.listdir(tmp_path)}
+    before = disk()
+    bad = kvstore("check", "--nvme-path", str(tmp_path), check=False)
+    assert bad.returncode == 1 and "torn tail of 500 bytes" in bad.stdout, bad.stdout
+    assert disk() == before                           # reported, not truncated
+    fixed = kvstore("check", "--nvme-path", str(tmp_path), "--fix")
+    assert "torn bytes truncated 500" in fixed.stdout and "live blocks 3" in fixed.stdout
+    assert (tmp_path / seg).stat().st_size == torn_size - 500
+    assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
+
+
 def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
     out, plots = tmp_path / "replay.json", tmp_path / "plots"
     r = kvstore("bench", "replay", "--workload", "agent", "--duration", "40", "--json", str(out),

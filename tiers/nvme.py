@@ -106,6 +106,7 @@ class NvmeConfig:
     background_compaction: bool = True
     evicted_backlog: int = 1 << 16    # evicted keys kept for drain_evicted(); older ones drop
     name: str = "nvme"
+    read_only: bool = False           # inspect only (kvstore check): no truncation, eviction or writes
 
     def __post_init__(self) -> None:
         try:
@@ -123,8 +124,8 @@ class NvmeConfig:
         if isinstance(self.compact_ratio, bool) or not isinstance(self.compact_ratio, (int, float)) \
                 or not 0.0 <= self.compact_ratio < 1.0:
             raise ConfigError(f"compact_ratio must be in [0, 1), got {self.compact_ratio!r}")
-        if not isinstance(self.background_compaction, bool):
-            raise ConfigError("background_compaction must be a bool")
+        if not isinstance(self.background_compaction, bool) or not isinstance(self.read_only, bool):
+            raise ConfigError("background_compaction and read_only must be bools")
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("name must be a non-empty string")
 
@@ -158,7 +159,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._capacity = config.capacity_bytes
         self._seg_limit = max(4096, min(config.segment_bytes, config.capacity_bytes // 4))
         self._fsync = config.durability == "fsync"
-        os.makedirs(config.path, exist_ok=True)
+        if not config.read_only:
+            os.makedirs(config.path, exist_ok=True)
         self._lock_fd = _lock_dir(config.path)
         self._dir_fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._segments: dict[int, Segment] = {}   # insertion order == id order == age order
@@ -196,10 +198,10 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                        if (sid := parse_segment_name(name)) is not None)
         for sid, name in found:
             path = os.path.join(self.config.path, name)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, (os.O_RDONLY if self.config.read_only else os.O_RDWR) | os.O_CLOEXEC)
             size = os.fstat(fd).st_size
             res = scan_segment(fd, size)
-            if res.end < size:  # a torn tail: an append the crash cut short
+            if res.end < size and not self.config.read_only:  # a torn tail: an append the crash cut short
                 os.ftruncate(fd, res.end)
                 if self._fsync:
                     os.fsync(fd)
@@ -208,12 +210,15 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             for start, end in res.skipped:
                 self.counters.skipped_bytes += end - start
                 log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
-            seg = Segment(sid, path, fd, res.end)
+            # read-only: the torn tail stays, and is counted, so check() reports it
+            seg = Segment(sid, path, fd, size if self.config.read_only else res.end)
             self._segments[sid] = seg
             self._used += seg.size
             for off, head in res.records:
                 self._apply(seg, off, head)
             self._next_id = sid + 1
+        if self.config.read_only:
+            return
         if found:
             last = self._segments[found[-1][0]]
             self._active = last if last.size < self._seg_limit else None
@@ -388,7 +393,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         """Append a batch: one pwritev per segment touched, one fdatasync each
         under ``fsync``. Returns after the data is written (and synced)."""
         keys, views = check_batch(spec, keys, payloads, writable=False)
-        self._check_open()
+        self._check_writable()
         out = [PutOutcome.EXISTS] * len(keys)
         todo = []
         for i, key in enumerate(keys):
@@ -462,6 +467,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         return results
 
     async def _drop_corrupt(self, locs: Sequence[_Loc]) -> None:
+        if self.config.read_only:   # a read still answers CORRUPT; the disk stays as it is
+            return
         doomed = []
         for loc in locs:
             if self._index.get(loc.header.key) is loc:
@@ -477,7 +484,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
 
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         keys = [check_key(k) for k in keys]
-        self._check_open()
+        self._check_writable()
         out, doomed = [], []
         for key in keys:
             loc = self._index.pop(key, None)
@@ -530,6 +537,11 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable(f"{self.name} tier is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.config.read_only:
+            raise ConfigError(f"{self.name} tier at {self.config.path} is open read-only")
 
 
 def _tombstone(head: RecordHeader) -> RecordHeader:

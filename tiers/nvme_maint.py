@@ -95,7 +95,7 @@ class NvmeMaintenance:
         ``compact_ratio`` (and every all-dead one); returns segment bytes freed.
         A segment is skipped while copying its live bytes would not fit under
         capacity: FIFO eviction reclaims it then."""
-        self._check_open()
+        self._check_writable()
         return await self._compact_all()
 
     def _schedule_compaction(self: "NvmeTier") -> None:
@@ -237,7 +237,10 @@ class NvmeMaintenance:
         (reads the whole tier on the pool) and that the index agrees with the
         disk. Run it while the tier is otherwise idle: an append in flight reads
         as torn. ``fix=True`` drops the live blocks found bad, with tombstones so
-        they stay gone after a restart (torn tails are truncated on open)."""
+        they stay gone after a restart (torn tails are truncated on open; a
+        ``read_only`` tier keeps them and reports them, and cannot fix)."""
+        if fix:
+            self._check_writable()
         self._check_open()
         if self._compactor is not None:  # its appends in flight would read as torn tails
             await asyncio.gather(self._compactor, return_exceptions=True)

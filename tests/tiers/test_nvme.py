@@ -364,6 +364,33 @@ def test_evicting_past_a_pinned_segment_brings_nothing_back_on_open(tmp_path, ho
     asyncio.run(main())
 
 
+def test_a_read_only_tier_reads_and_changes_nothing(tmp_path):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=16, seg_blocks=2))
+        await put(tier, range(6))
+        await tier.delete(key(5))
+        await tier.close()
+        p, off = locate(tmp_path, payload(2).tobytes())
+        flip(p, off + 7)                                   # block 2 is corrupt on disk
+        with open(seg_files(tmp_path)[-1], "ab") as f:
+            f.write(b"\x01" * 100)                        # and the newest segment has a torn tail
+        before = {f: f.read_bytes() for f in seg_files(tmp_path)}
+        ro = NvmeTier(cfg(tmp_path, blocks=2, seg_blocks=2, read_only=True))   # smaller: no eviction
+        got = await outcomes(ro, range(6))
+        assert got == {0: GetOutcome.HIT, 1: GetOutcome.HIT, 2: GetOutcome.CORRUPT,
+                       3: GetOutcome.HIT, 4: GetOutcome.HIT, 5: GetOutcome.MISS}
+        report = await ro.check()
+        assert any("torn tail of 100 bytes" in p for p in report.problems)
+        for write in (lambda: put(ro, [9]), lambda: ro.delete(key(0)), ro.compact,
+                      lambda: ro.check(fix=True)):
+            with pytest.raises(ConfigError, match="read-only"):
+                await write()
+        assert ro.drain_evicted() == []
+        await ro.close()
+        assert {f: f.read_bytes() for f in seg_files(tmp_path)} == before
+    asyncio.run(main())
+
+
 def test_record_larger_than_the_tier_is_refused(tmp_path):
     async def main():
         tier = NvmeTier(cfg(tmp_path, blocks=2))
