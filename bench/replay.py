@@ -15,10 +15,16 @@ future, so like ``belady`` an upper bound: what perfect application hints
 (an agent that knows it has another step) would buy. ``regime`` itself gets
 the trace's own ``followup`` fields when there are any (``hints="trace"``;
 the agent generator writes them) or none (``hints="none"``).
+
+``oracle_noise`` flips each of the oracle's hints with that probability
+(seeded): hints of a given quality - a binary predictor that errs on a
+share p of requests has AUC 1 - p - so the replay shows how good a
+continuation predictor would have to be to close a given share of the gap.
 """
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,12 +65,16 @@ class ReplayConfig:
     nvme_min_count: int = 2           # regime's frequency filter on NVMe / Redis writes
     store_partial: bool = False       # Mooncake-style: the partial last block is not a key
     windows: int = 50                 # hit-rate-over-time buckets
+    oracle_noise: float = 0.0         # regime-oracle: share of its hints flipped (see module doc)
+    seed: int = 0                     # for oracle_noise
 
     def __post_init__(self) -> None:
         if self.hbm_tokens < self.block_tokens:
             raise ConfigError("hbm_tokens must hold at least one block")
         if min(self.dram_tokens, self.nvme_tokens, self.redis_tokens) < 0 or self.block_tokens < 1:
             raise ConfigError("capacities must be >= 0 and block_tokens >= 1")
+        if not isinstance(self.oracle_noise, (int, float)) or not 0.0 <= self.oracle_noise <= 1.0:
+            raise ConfigError(f"oracle_noise must be in [0, 1], got {self.oracle_noise!r}")
         if self.hints not in HINT_SOURCES:
             raise ConfigError(f"hints must be one of {list(HINT_SOURCES)}, got {self.hints!r}")
         bad = [p for p in self.policies if p not in POLICY_NAMES]
@@ -205,6 +215,9 @@ def oracle_followups(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> lis
     for i in range(len(requests) - 1, -1, -1):
         out[i] = float(own[i] is not None and own[i] in later)
         later.update(requests[i].hash_ids)
+    if cfg.oracle_noise:
+        rng = random.Random(cfg.seed)
+        out = [1.0 - h if rng.random() < cfg.oracle_noise else h for h in out]
     return out
 
 
@@ -354,7 +367,7 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
                          "regime_mode": cfg.regime_mode, "thresholds": list(cfg.thresholds),
-                         "hints": cfg.hints,
+                         "hints": cfg.hints, "oracle_noise": cfg.oracle_noise,
                          "window_s": cfg.window_s, "requests": len(requests)},
               "command": command}
     for name, key in GAP_KEYS:
@@ -398,7 +411,11 @@ def render_table(result: dict):
                       f(p["recomputed_token_share"]), f(p["ttft_mean_s"], "{:.3f}s"),
                       f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
                       f(p["middle_phase_trough"]), *((_dp_cell(p.get("data_plane")),) if dp else ()))
-    captions = [f"({name} - lru) / (belady - lru) = {result[key]:.2f}"
+    noise = cfg.get("oracle_noise") or 0.0
+
+    def label(name: str) -> str:
+        return f"{name}, {noise:.0%} of hints flipped" if name == "regime-oracle" and noise else name
+    captions = [f"({label(name)} - lru) / (belady - lru) = {result[key]:.2f}"
                 for name, key in GAP_KEYS if result.get(key) is not None]
     if captions:
         table.caption = "; ".join(captions)

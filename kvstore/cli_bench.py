@@ -63,6 +63,9 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--hints", type=click.Choice(["trace", "none"]), default="trace", show_default=True,
               help="regime's follow-up hints: the trace's 'followup' fields (the agent generator "
                    "writes them), or none.")
+@click.option("--oracle-noise", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="regime-oracle: flip this share of its hints (seeded by --seed), to see what "
+                   "hints of a given quality buy (a binary hint wrong on a share p has AUC 1 - p).")
 @click.option("--data-plane/--no-data-plane", default=True, show_default=True,
               help="Move scaled real bytes through real tiers and verify every hit; off: simulate only.")
 @click.option("--bytes-per-token", default=2, show_default=True, type=click.IntRange(1),
@@ -74,7 +77,7 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
 @workload_options
 def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, regime_mode, hints, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
+           redis_tokens, regime_mode, hints, oracle_noise, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
            plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
            gpu_tflops) -> None:
     """Replay a trace or the agent generator under several policies, side by side."""
@@ -90,7 +93,7 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, regime_mode=regime_mode,
-                           hints=hints,
+                           hints=hints, oracle_noise=oracle_noise, seed=seed,
                            policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
         if redis_url and not data_plane:
             raise click.UsageError("--redis-url needs the data plane (drop --no-data-plane)")

@@ -175,6 +175,22 @@ def test_oracle_followups_mark_requests_a_later_one_extends():
     assert oracle_followups(partial, cfg) == [1.0, 0.0]
 
 
+def test_oracle_noise_flips_that_share_of_hints_and_costs_hits():
+    wl = AgentWorkloadConfig(seed=3, working_set_tokens=1_000_000, duration_s=40, tenants=2)
+    reqs = load_requests(workload=wl)
+    cfg = replace(CFG, policies=("lru", "regime-oracle", "belady"))
+    exact = oracle_followups(reqs, cfg)
+    noisy = oracle_followups(reqs, replace(cfg, oracle_noise=0.3, seed=7))
+    flipped = sum(a != b for a, b in zip(exact, noisy)) / len(reqs)
+    assert 0.2 < flipped < 0.4 and noisy == oracle_followups(reqs, replace(cfg, oracle_noise=0.3, seed=7))
+    assert oracle_followups(reqs, replace(cfg, oracle_noise=1.0)) == [1.0 - h for h in exact]
+    clean, blurred = (run_replay(reqs, replace(cfg, oracle_noise=p)) for p in (0.0, 0.5))
+    assert blurred["config"]["oracle_noise"] == 0.5
+    assert blurred["gap_closed_oracle_hints"] < clean["gap_closed_oracle_hints"] - 0.05
+    with pytest.raises(ConfigError, match="oracle_noise"):
+        replace(CFG, oracle_noise=1.5)
+
+
 def test_regime_oracle_reads_the_future_and_regime_uses_trace_hints():
     wl = AgentWorkloadConfig(seed=3, working_set_tokens=1_000_000, duration_s=40, tenants=2)
     reqs = load_requests(workload=wl)
