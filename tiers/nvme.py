@@ -169,6 +169,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._graves: dict[BlockKey, set[int]] = {}  # key -> ids of segments holding a dead put of it
         self._grave_epoch = 0                      # bumped when a segment's graves go: prune tombs again
         self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
+        self._owed: dict[BlockKey, _Loc] = {}      # evicted keys that need a tombstone (see _evict)
         self._any_pinned: Callable[[Iterable[BlockKey]], bool] = _nothing_pinned
         self._active: Segment | None = None
         self._used = 0
@@ -237,8 +238,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             self._add_live(_Loc(seg, off, head))
 
     # -- appends -----------------------------------------------------------------
-    async def _append(self, items: Sequence[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]]
-                      ) -> list[_Loc | BaseException | None]:
+    async def _append(self, items: Sequence[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]],
+                      *, keep_pins: bool = False) -> list[_Loc | BaseException | None]:
         """Reserve space for and write records; one result per item: its new
         location, the OSError that failed its write, or None (no space).
 
@@ -246,15 +247,19 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         the index made just before this call still hold at reservation time.
         An item with header None is a put: its header (and checksum) is made
         on the worker. Consecutive items in one segment go out as one pwritev
-        and, under ``fsync``, one fdatasync.
+        and, under ``fsync``, one fdatasync. A tombstone may evict a pinned
+        segment when nothing else can go (a delete must reach the disk) unless
+        ``keep_pins`` (compaction's carried tombstones: the segment can stay).
+        If the caller is cancelled, the writes go on and may land: their puts
+        are recorded as dead puts, so later tombstones of the key hide them.
         """
         places: list[tuple[Segment, int] | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
         for i, (key, head, payload, _) in enumerate(items):
             size = HEADER_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
-            tomb = head is not None and bool(head.flags & FLAG_TOMBSTONE)
-            where = self._reserve(size, tombstone=tomb)
+            tomb = _is_tombstone(head)
+            where = self._reserve(size, tombstone=tomb and not keep_pins)
             places.append(where)
             if where is None:
                 continue
@@ -269,23 +274,45 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                 groups.append((seg, off, [i]))
             end = off + size
 
-        def release() -> None:
+        def release() -> None:   # the workers are done (even if the caller was cancelled)
+            for seg, _, _ in groups:
+                seg.unpin()
+        try:
+            done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
+                                       for seg, off, idx in groups], release)
+        except asyncio.CancelledError:
+            self._bury_puts(items, groups)   # no one will index what these writes leave
+            raise
+        finally:
+            # "writing" lasts until the caller has the results: it indexes them
+            # before its next await, so no segment looks empty in between
             for seg, _, _ in groups:
                 seg.writing -= 1
-                seg.unpin()
-        done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
-                                   for seg, off, idx in groups], release)
         out: list[_Loc | BaseException | None] = [None] * len(items)
         for (seg, _, idx), res in zip(groups, done):
             for n, i in enumerate(idx):
                 out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
             if isinstance(res, BaseException):
-                for i in idx:  # a failed write may still have reached the disk
-                    if items[i][1] is None or not items[i][1].flags & FLAG_TOMBSTONE:
-                        self._bury(seg, items[i][0])
+                self._bury_puts(items, [(seg, 0, idx)])   # a failed write may still have reached the disk
                 self.counters.write_errors += 1
                 log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
         return out
+
+    async def _pay_owed_tombstones(self) -> None:
+        """Write the tombstones eviction owes (see ``_evict``); their own
+        reservations may evict and owe more, hence the loop. Every operation
+        that reserves space calls it last."""
+        while self._owed:
+            owed = [loc for key, loc in self._owed.items()
+                    if key not in self._index and key not in self._pending]
+            self._owed.clear()
+            await self._write_tombstones(owed)
+
+    def _bury_puts(self, items: Sequence[tuple], groups: Sequence[tuple[Segment, int, list[int]]]) -> None:
+        for seg, _, idx in groups:
+            for i in idx:
+                if not _is_tombstone(items[i][1]):
+                    self._bury(seg, items[i][0])
 
     async def _run_io(self, calls: list[tuple[object, tuple]], release) -> list[object]:
         """Run blocking calls on the pool; results or exceptions, in order.
@@ -416,6 +443,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                 else:
                     self._add_live(res)
         self.counters.puts += len(todo)
+        await self._pay_owed_tombstones()
         return out
 
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
@@ -480,6 +508,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self.counters.corrupt += len(doomed)
         self._reclaim()
         await self._write_tombstones(doomed)
+        await self._pay_owed_tombstones()
         self._schedule_compaction()
 
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -495,6 +524,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         if doomed:
             self._reclaim()
             await self._write_tombstones(doomed)
+            await self._pay_owed_tombstones()
             self._schedule_compaction()
         return out
 
@@ -542,6 +572,10 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._check_open()
         if self.config.read_only:
             raise ConfigError(f"{self.name} tier at {self.config.path} is open read-only")
+
+
+def _is_tombstone(head: RecordHeader | None) -> bool:
+    return head is not None and bool(head.flags & FLAG_TOMBSTONE)
 
 
 def _tombstone(head: RecordHeader) -> RecordHeader:

@@ -154,6 +154,7 @@ class NvmeMaintenance:
                 except OSError as exc:  # a read failed: leave the segment, FIFO will take it
                     log.error("%s: compaction of %s failed: %s", self.name, seg.path, exc)
                     done = 0
+                await self._pay_owed_tombstones()   # for what its reservations evicted
                 freed += done
                 progress = progress or done > 0
         return freed
@@ -172,8 +173,8 @@ class NvmeMaintenance:
                     stop += 1
                 await self._copy_forward(seg, locs[start:stop])
                 start = stop
-            if not await self._carry_tombstones(seg):
-                return 0
+            if seg.live_bytes or not await self._carry_tombstones(seg):
+                return 0   # a copy found no room: seg stays, and so do its tombstones
         finally:
             seg.unpin()
         if seg.retired or seg.live_bytes or seg.writing:
@@ -225,12 +226,17 @@ class NvmeMaintenance:
     async def _carry_tombstones(self: "NvmeTier", seg: Segment) -> bool:
         """Re-append the tombstones of ``seg`` that still hide a put in an older
         segment (see ``_tomb_needed``); the others die with ``seg``. True if all
-        needed ones were written."""
+        needed ones were written; False leaves ``seg`` in place. Not while a
+        put of one of their keys is in flight: carried, the tombstone would
+        land after that put and hide it; dropped, it is missed if the put fails."""
         if seg is self._oldest() or not seg.tombs:
             return True
+        if any(k in self._pending for k in seg.tombs):
+            return False
         carry = [(k, h, b"", None) for k, h in seg.tombs.items() if self._tomb_needed(k, seg)]
         self.counters.carried_tombstones += len(carry)
-        return all(isinstance(res, _Loc) for res in await self._append(carry))
+        # no pinned segment is evicted for these: if they do not fit, seg stays
+        return all(isinstance(res, _Loc) for res in await self._append(carry, keep_pins=True))
 
     async def check(self: "NvmeTier", fix: bool = False) -> CheckReport:
         """Verify every record's header and payload checksum in every segment

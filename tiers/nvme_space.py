@@ -116,8 +116,12 @@ class NvmeSpace:
     def _evict(self: "NvmeTier", seg: Segment) -> None:
         """FIFO eviction of a whole segment; its live keys go to drain_evicted()."""
         for key in list(seg.keys):
-            self._index.pop(key, None)
+            loc = self._index.pop(key, None)
             self._evicted.append(key)
+            if loc is not None and any(sid > seg.id for sid in self._graves.get(key, ())):
+                # a newer dead copy (a compaction write that failed after reaching
+                # the file) would be the key's latest record on the next open
+                self._owed[key] = loc
         self.counters.evicted_blocks += len(seg.keys)
         self.counters.evicted_segments += 1
         seg.keys.clear()

@@ -539,6 +539,139 @@ def test_write_error_answers_unavailable_and_leaves_no_garbage(tmp_path, monkeyp
     asyncio.run(main())
 
 
+def kid(k: bytes) -> int:
+    return int.from_bytes(k[:4], "big")
+
+
+def test_compaction_short_of_room_evicts_no_pinned_block(tmp_path):
+    """Compaction's carried tombstones are optional (the segment can stay):
+    unlike a delete's, they never evict a pinned segment for room."""
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=16, seg_blocks=4))
+        pinned: set[bytes] = set()
+        tier.honour_pins(pin_check(pinned))
+        await put(tier, [0, 2, 3, 1])              # segment 1
+        pinned.add(key(0))
+        await tier.delete(key(1))                  # segment 2: tombstone(1), hiding segment 1's put
+        await put(tier, [4, 5, 6])
+        await tier.delete_many([key(5), key(6)])   # segment 2 is sparse: a compaction candidate
+        await put(tier, [7])                       # segment 3
+        pinned.update({key(4), key(7)})            # every sealed segment holds a pinned block
+        room = tier.capacity_bytes - tier.used_bytes
+        for copy_fits in (False, True):
+            # a put that lands while compaction reads block 4 leaves too little room for
+            # block 4's copy, or (copy_fits) just enough for it but not for the tombstone
+            left = 50 + REC * copy_fits
+            big = dataclasses.replace(SPEC, nbytes=room - left - HEADER_BYTES)
+            pinned.add(key(8))
+            compaction = asyncio.ensure_future(tier.compact())
+            await asyncio.sleep(0)                 # compaction now waits on its read of block 4
+            outs = await tier.put_many(big, [key(8)], [payload(8, big.nbytes)])
+            await compaction
+            assert outs == [PutOutcome.STORED]
+            assert not pinned & set(tier.drain_evicted()) and tier.counters.pinned_evicted_segments == 0
+            assert pinned <= set(tier.iter_keys())
+            if not copy_fits:
+                pinned.discard(key(8))
+                await tier.delete(key(8))
+                room = tier.capacity_bytes - tier.used_bytes
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_tombstone_stays_while_a_put_of_its_key_is_in_flight(tmp_path, monkeypatch):
+    """Compaction must neither carry (it would hide the put) nor drop (a failed
+    put would leave the older put unhidden) a tombstone of a pending key."""
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        await put(tier, [0, 1])                    # segment 1
+        assert await tier.delete(key(1))           # segment 2: tombstone(1)
+        await put(tier, [2, 3])
+        assert await tier.delete(key(2))           # segment 2 all dead but for the needed tombstone
+        real, gate = tier._write_group, threading.Event()
+
+        def failing(seg, off, items):              # fault injection: the re-put of 1 fails
+            if any(k == key(1) and h is None for k, h, _, _ in items):
+                gate.wait(5)
+                raise OSError(errno.EIO, "I/O error")
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", failing)
+
+        async def compact_then_release():
+            freed = await tier.compact()           # runs while key 1 is pending
+            gate.set()
+            return freed
+        outs, _ = await asyncio.gather(put(tier, [1]), compact_then_release())
+        assert outs == [PutOutcome.UNAVAILABLE]
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        assert sorted(map(kid, tier.iter_keys())) == [0, 3]
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_cancelled_put_that_lands_later_stays_deleted(tmp_path, monkeypatch):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        await put(tier, [0])
+        real, go = tier._write_group, threading.Event()
+
+        def slow(seg, off, items):
+            if any(k == key(1) for k, *_ in items):
+                go.wait(5)
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", slow)
+        task = asyncio.ensure_future(put(tier, [1]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.sleep(0.3)                   # the cancelled write lands
+        monkeypatch.setattr(tier, "_write_group", real)
+        assert await put(tier, [1]) == [PutOutcome.STORED]
+        await put(tier, [2])
+        await put(tier, [3])
+        assert await tier.delete_many([key(1), key(2)]) == [True, True]
+        await tier.close()
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        assert sorted(map(kid, tier.iter_keys())) == [0, 3]
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_an_evicted_block_with_a_failed_newer_copy_stays_evicted(tmp_path, monkeypatch):
+    """A compaction copy whose write failed after reaching the file is a dead put
+    newer than the live record; when that record is evicted, a tombstone
+    keeps the copy from coming back on the next open."""
+    conf = cfg(tmp_path, blocks=10, seg_blocks=2, compact_ratio=0.6, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, range(4))
+        await tier.delete(key(1))                  # segment 1 half live: a candidate
+        real = tier._write_group
+
+        def sync_fails(seg, off, items):           # fault injection: the data landed, fdatasync failed
+            real(seg, off, items)
+            raise OSError(errno.EIO, "fdatasync: I/O error")
+        monkeypatch.setattr(tier, "_write_group", sync_fails)
+        await tier.compact()
+        monkeypatch.setattr(tier, "_write_group", real)
+        assert tier.counters.write_errors == 1 and await tier.contains(key(0))
+        evicted, i = [], 4
+        while key(0) not in evicted:               # FIFO evicts segment 1, holding the live 0
+            await put(tier, [i])
+            evicted += tier.drain_evicted()
+            i += 1
+        held = set(tier.iter_keys())
+        await tier.close()
+        tier = NvmeTier(conf)
+        assert set(tier.iter_keys()) == held
+        await tier.close()
+    asyncio.run(main())
+
+
 def test_batches_span_segments_and_read_concurrently(tmp_path):
     async def main():
         tier = NvmeTier(cfg(tmp_path, seg_blocks=3, io_threads=3, durability="fsync"))
