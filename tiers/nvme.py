@@ -241,7 +241,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
     async def _append(self, items: Sequence[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]],
                       *, keep_pins: bool = False) -> list[_Loc | BaseException | None]:
         """Reserve space for and write records; one result per item: its new
-        location, the OSError that failed its write, or None (no space).
+        location, the OSError that failed its write (or its segment's
+        creation), or None (no space).
 
         Reservation happens before the first await, so the caller's checks of
         the index made just before this call still hold at reservation time.
@@ -253,15 +254,20 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         If the caller is cancelled, the writes go on and may land: their puts
         are recorded as dead puts, so later tombstones of the key hide them.
         """
-        places: list[tuple[Segment, int] | None] = []
+        places: list[tuple[Segment, int] | OSError | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
         for i, (key, head, payload, _) in enumerate(items):
             size = HEADER_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
             tomb = _is_tombstone(head)
-            where = self._reserve(size, tombstone=tomb and not keep_pins)
+            try:
+                where = self._reserve(size, tombstone=tomb and not keep_pins)
+            except OSError as exc:   # a new segment file could not be made (EMFILE, ENOSPC)
+                self.counters.write_errors += 1
+                log.error("%s: cannot create a segment in %s: %s", self.name, self.config.path, exc)
+                where = exc
             places.append(where)
-            if where is None:
+            if where is None or isinstance(where, OSError):
                 continue
             seg, off = where
             if tomb:  # known from now on: eviction must not drop it while it hides an older put
@@ -288,7 +294,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             # before its next await, so no segment looks empty in between
             for seg, _, _ in groups:
                 seg.writing -= 1
-        out: list[_Loc | BaseException | None] = [None] * len(items)
+        out: list[_Loc | BaseException | None] = [p if isinstance(p, OSError) else None for p in places]
         for (seg, _, idx), res in zip(groups, done):
             for n, i in enumerate(idx):
                 out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
@@ -299,14 +305,19 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         return out
 
     async def _pay_owed_tombstones(self) -> None:
-        """Write the tombstones eviction owes (see ``_evict``); their own
-        reservations may evict and owe more, hence the loop. Every operation
-        that reserves space calls it last."""
+        """Write the tombstones still owed: those eviction owes (see ``_evict``)
+        and those whose write failed. A key put again since needs none (its
+        new record is the newest); one with a put in flight waits for it. The
+        reservations may evict and owe more, hence the loop; if the disk
+        refuses, the rest waits for the next operation (or close)."""
         while self._owed:
-            owed = [loc for key, loc in self._owed.items()
-                    if key not in self._index and key not in self._pending]
-            self._owed.clear()
-            await self._write_tombstones(owed)
+            due = [loc for key, loc in self._owed.items()
+                   if key not in self._index and key not in self._pending]
+            self._owed = {k: loc for k, loc in self._owed.items() if k in self._pending}
+            if not due:
+                return
+            if await self._write_tombstones(due):
+                return
 
     def _bury_puts(self, items: Sequence[tuple], groups: Sequence[tuple[Segment, int, list[int]]]) -> None:
         for seg, _, idx in groups:
@@ -377,15 +388,21 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             if last > first:
                 start_writeback(fd, first, last - first)
 
-    async def _write_tombstones(self, doomed: Sequence[_Loc]) -> None:
+    async def _write_tombstones(self, doomed: Sequence[_Loc]) -> int:
         """Persist deletions. A tombstone is skipped only when no segment holds a
-        put of the key any more (its record's segment was just unlinked)."""
+        put of the key any more (its record's segment was just unlinked). One
+        that fails is owed (see ``_pay_owed_tombstones``); returns how many."""
         need = [loc for loc in doomed if loc.header.key in self._graves]
         items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
-        if items:
-            await self._append(items)  # registers each tombstone in its segment (see _append)
+        failed = 0
+        if items:   # _append registers each tombstone in its segment when it reserves it
+            for loc, res in zip(need, await self._append(items)):
+                if not isinstance(res, _Loc):
+                    self._owed.setdefault(loc.header.key, loc)
+                    failed += 1
         if self._fsync and len(need) < len(doomed):  # make the unlinks that replaced them durable
             await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
+        return failed
 
     # -- the Tier protocol -------------------------------------------------------------
     @property
@@ -421,6 +438,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         under ``fsync``. Returns after the data is written (and synced)."""
         keys, views = check_batch(spec, keys, payloads, writable=False)
         self._check_writable()
+        await self._pay_owed_tombstones()   # what a cancelled operation left unpaid
         out = [PutOutcome.EXISTS] * len(keys)
         todo = []
         for i, key in enumerate(keys):
@@ -514,6 +532,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         keys = [check_key(k) for k in keys]
         self._check_writable()
+        await self._pay_owed_tombstones()   # what a cancelled operation left unpaid
         out, doomed = [], []
         for key in keys:
             loc = self._index.pop(key, None)
@@ -547,6 +566,10 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._closed = True
         if self._compactor is not None:
             await asyncio.gather(self._compactor, return_exceptions=True)
+        await self._pay_owed_tombstones()
+        if self._owed:
+            log.error("%s: closing with %d tombstones unwritten: those blocks may come back on "
+                      "the next open", self.name, len(self._owed))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._pool.shutdown, True)
         await loop.run_in_executor(None, self._writers.shutdown, True)

@@ -672,6 +672,138 @@ def test_an_evicted_block_with_a_failed_newer_copy_stays_evicted(tmp_path, monke
     asyncio.run(main())
 
 
+def test_a_tombstone_whose_write_failed_is_written_again(tmp_path, monkeypatch):
+    conf = cfg(tmp_path, blocks=8, seg_blocks=2, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, [0, 1])
+        await put(tier, [2])
+        real = tier._write_group
+
+        def tombstones_fail(seg, off, items):      # fault injection: the disk refuses tombstones
+            if all(h is not None and not h.stored_len for _, h, _, _ in items):
+                raise OSError(errno.EIO, "I/O error")
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", tombstones_fail)
+        assert await tier.delete_many([key(0)]) == [True]
+        assert tier.counters.write_errors >= 1
+        monkeypatch.setattr(tier, "_write_group", real)
+        await tier.close()                         # pays what is owed
+        tier = NvmeTier(conf)
+        assert sorted(map(kid, tier.iter_keys())) == [1, 2]
+        await tier.close()
+    asyncio.run(main())
+
+
+def fill_with_a_failed_copy_of_0(tier, monkeypatch):
+    """Blocks 0..3, 1 deleted, then a compaction whose copy of 0 lands but
+    fails its fdatasync: a dead copy of 0 newer than its live record; then
+    puts until the tier is full. Returns the next free block index."""
+    async def go() -> int:
+        await put(tier, range(4))
+        await tier.delete(key(1))
+        real = tier._write_group
+
+        def sync_fails(seg, off, items):
+            real(seg, off, items)
+            raise OSError(errno.EIO, "fdatasync: I/O error")
+        monkeypatch.setattr(tier, "_write_group", sync_fails)
+        await tier.compact()
+        monkeypatch.setattr(tier, "_write_group", real)
+        i = 4
+        while tier.fits(SPEC):
+            await put(tier, [i])
+            i += 1
+        return i
+    return go()
+
+
+def test_an_owed_tombstone_waits_for_a_put_of_its_key(tmp_path, monkeypatch):
+    """Evicting 0 owes a tombstone (its failed copy is newer). While a re-put of
+    0 is in flight the debt waits; when that put fails, it is still paid."""
+    conf = cfg(tmp_path, blocks=10, seg_blocks=2, compact_ratio=0.6, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        i = await fill_with_a_failed_copy_of_0(tier, monkeypatch)
+        real, refuse_tombs, go_y = tier._write_group, [True], threading.Event()
+
+        def faulty(seg, off, items):              # fault injection: tombstones refused while
+            if refuse_tombs[0] and any(h is not None and not h.stored_len for _, h, _, _ in items):
+                raise OSError(errno.EIO, "I/O error")            # refuse_tombs; the re-put of 0
+            if any(k == key(0) and h is None for k, h, _, _ in items):
+                go_y.wait(5)                                      # waits, then fails unwritten
+                raise OSError(errno.EIO, "I/O error")
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", faulty)
+        assert await put(tier, [i]) == [PutOutcome.STORED]       # evicts 0: the tombstone stays owed
+        assert key(0) in tier.drain_evicted()
+        y = asyncio.ensure_future(put(tier, [0]))
+        await asyncio.sleep(0.05)                                 # 0 is pending now
+        refuse_tombs[0] = False
+        assert await put(tier, [i + 1]) == [PutOutcome.STORED]   # pays nothing for pending 0
+        go_y.set()
+        assert await y == [PutOutcome.UNAVAILABLE]               # ...and then pays it
+        monkeypatch.setattr(tier, "_write_group", real)
+        held = set(tier.iter_keys())
+        tier._owed.clear()                                        # close must not be what pays it
+        await tier.close()
+        tier = NvmeTier(conf)
+        assert set(tier.iter_keys()) == held and key(0) not in held
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_an_owed_tombstone_outlives_the_cancelled_put_that_owed_it(tmp_path, monkeypatch):
+    conf = cfg(tmp_path, blocks=10, seg_blocks=2, compact_ratio=0.6, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        i = await fill_with_a_failed_copy_of_0(tier, monkeypatch)
+        real, go = tier._write_group, threading.Event()
+
+        def slow(seg, off, items):
+            go.wait(5)
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", slow)
+        task = asyncio.ensure_future(put(tier, [i]))  # evicts 0's segment, then is cancelled
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr(tier, "_write_group", real)
+        assert key(0) in tier.drain_evicted()
+        held = set(tier.iter_keys())
+        await tier.close()                             # pays the debt the cancelled put left
+        tier = NvmeTier(conf)
+        assert key(0) not in set(tier.iter_keys()) and set(tier.iter_keys()) <= held | {key(i)}
+        await tier.close()
+    asyncio.run(main())
+
+
+def test_a_segment_that_cannot_be_created_fails_only_its_blocks(tmp_path, monkeypatch):
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
+        real, calls = tier._new_segment, [0]
+
+        def second_fails():                        # fault injection: out of file descriptors
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real()
+        monkeypatch.setattr(tier, "_new_segment", second_fails)
+        assert await put(tier, [0, 1, 2]) == [PutOutcome.STORED] * 2 + [PutOutcome.UNAVAILABLE]
+        monkeypatch.setattr(tier, "_new_segment", real)
+        assert all(s.writing == 0 and s.pins == 0 for s in tier._segments.values())
+        assert await put(tier, [2, 3]) == [PutOutcome.STORED] * 2
+        assert (await tier.check()).ok and tier.counters.write_errors == 1
+        await tier.close()
+    asyncio.run(main())
+
+
 def test_batches_span_segments_and_read_concurrently(tmp_path):
     async def main():
         tier = NvmeTier(cfg(tmp_path, seg_blocks=3, io_threads=3, durability="fsync"))
