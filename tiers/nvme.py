@@ -169,7 +169,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._graves: dict[BlockKey, set[int]] = {}  # key -> ids of segments holding a dead put of it
         self._grave_epoch = 0                      # bumped when a segment's graves go: prune tombs again
         self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
-        self._owed: dict[BlockKey, _Loc] = {}      # evicted keys that need a tombstone (see _evict)
+        self._owed: dict[BlockKey, _Loc] = {}      # tombstones still to write (see _pay_owed_tombstones)
+        self._dir_sync_owed = False                # an unlink a delete relies on is not durable yet
         self._any_pinned: Callable[[Iterable[BlockKey]], bool] = _nothing_pinned
         self._active: Segment | None = None
         self._used = 0
@@ -251,8 +252,11 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         and, under ``fsync``, one fdatasync. A tombstone may evict a pinned
         segment when nothing else can go (a delete must reach the disk) unless
         ``keep_pins`` (compaction's carried tombstones: the segment can stay).
-        If the caller is cancelled, the writes go on and may land: their puts
-        are recorded as dead puts, so later tombstones of the key hide them.
+        A put (or copy) counts as a dead put of its key from its reservation
+        until its caller indexes it (``_add_live``): a write that fails, or
+        whose caller is cancelled, may still land, and later tombstones of the
+        key must hide it. A cancelled caller's tombstones are owed again
+        (their writes may fail unseen); a second copy of one is harmless.
         """
         places: list[tuple[Segment, int] | OSError | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
@@ -272,6 +276,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             seg, off = where
             if tomb:  # known from now on: eviction must not drop it while it hides an older put
                 seg.tombs[key] = head
+            else:
+                self._bury(seg, key)
             if groups and groups[-1][0] is seg and off == end:
                 groups[-1][2].append(i)
             else:
@@ -287,7 +293,10 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
                                        for seg, off, idx in groups], release)
         except asyncio.CancelledError:
-            self._bury_puts(items, groups)   # no one will index what these writes leave
+            for seg, off, idx in groups:
+                for i in idx:
+                    if _is_tombstone(items[i][1]):
+                        self._owed.setdefault(items[i][0], _Loc(seg, off, items[i][1]))
             raise
         finally:
             # "writing" lasts until the caller has the results: it indexes them
@@ -298,8 +307,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         for (seg, _, idx), res in zip(groups, done):
             for n, i in enumerate(idx):
                 out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
-            if isinstance(res, BaseException):
-                self._bury_puts(items, [(seg, 0, idx)])   # a failed write may still have reached the disk
+            if isinstance(res, BaseException):   # its puts stay buried: they may have reached the disk
                 self.counters.write_errors += 1
                 log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
         return out
@@ -310,6 +318,8 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         new record is the newest); one with a put in flight waits for it. The
         reservations may evict and owe more, hence the loop; if the disk
         refuses, the rest waits for the next operation (or close)."""
+        if self._dir_sync_owed and not await self._sync_dir():
+            return
         while self._owed:
             due = [loc for key, loc in self._owed.items()
                    if key not in self._index and key not in self._pending]
@@ -318,12 +328,6 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                 return
             if await self._write_tombstones(due):
                 return
-
-    def _bury_puts(self, items: Sequence[tuple], groups: Sequence[tuple[Segment, int, list[int]]]) -> None:
-        for seg, _, idx in groups:
-            for i in idx:
-                if not _is_tombstone(items[i][1]):
-                    self._bury(seg, items[i][0])
 
     async def _run_io(self, calls: list[tuple[object, tuple]], release) -> list[object]:
         """Run blocking calls on the pool; results or exceptions, in order.
@@ -401,8 +405,30 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                     self._owed.setdefault(loc.header.key, loc)
                     failed += 1
         if self._fsync and len(need) < len(doomed):  # make the unlinks that replaced them durable
-            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
+            self._dir_sync_owed = True
+            await self._sync_dir()
         return failed
+
+    async def _sync_dir(self) -> bool:
+        """fsync the directory (unlinks durable); on failure it stays owed."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
+        except OSError as exc:
+            self.counters.write_errors += 1
+            log.error("%s: fsync of %s failed: %s", self.name, self.config.path, exc)
+            return False
+        self._dir_sync_owed = False
+        return True
+
+    def _check_deletes_durable(self, keys: Sequence[BlockKey]) -> None:
+        """Under ``fsync`` a delete is acknowledged only once it is on disk."""
+        if not self._fsync:
+            return
+        owed = sum(k in self._owed for k in keys)
+        if owed or self._dir_sync_owed:
+            raise TierUnavailable(f"{self.name}: delete not durable yet ({owed} tombstones unwritten, "
+                                  f"directory sync owed: {self._dir_sync_owed}); the blocks are gone "
+                                  "from the index and the writes are retried by the next operation")
 
     # -- the Tier protocol -------------------------------------------------------------
     @property
@@ -545,6 +571,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             await self._write_tombstones(doomed)
             await self._pay_owed_tombstones()
             self._schedule_compaction()
+            self._check_deletes_durable([loc.header.key for loc in doomed])
         return out
 
     async def drop_namespace(self, namespace: bytes) -> int:
@@ -564,19 +591,24 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         if self._closed:
             return
         self._closed = True
-        if self._compactor is not None:
-            await asyncio.gather(self._compactor, return_exceptions=True)
-        await self._pay_owed_tombstones()
-        if self._owed:
-            log.error("%s: closing with %d tombstones unwritten: those blocks may come back on "
-                      "the next open", self.name, len(self._owed))
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._pool.shutdown, True)
-        await loop.run_in_executor(None, self._writers.shutdown, True)
-        if self._active is not None and self._active.fd >= 0:
-            await loop.run_in_executor(None, os.fdatasync, self._active.fd)
-        self._close_files()
-        self._index.clear()
+        try:
+            if self._compactor is not None:
+                await asyncio.gather(self._compactor, return_exceptions=True)
+            if not self.config.read_only:
+                await self._pay_owed_tombstones()
+            if self._owed or self._dir_sync_owed:
+                log.error("%s: closing with %d tombstones unwritten: those blocks may come back on "
+                          "the next open", self.name, len(self._owed))
+        finally:   # whatever failed above, the files and the directory lock are let go
+            await loop.run_in_executor(None, self._pool.shutdown, True)
+            await loop.run_in_executor(None, self._writers.shutdown, True)
+            try:
+                if self._active is not None and self._active.fd >= 0:
+                    await loop.run_in_executor(None, os.fdatasync, self._active.fd)
+            finally:
+                self._close_files()
+                self._index.clear()
 
     def _close_files(self) -> None:
         for seg in self._segments.values():

@@ -207,10 +207,8 @@ class NvmeMaintenance:
                 self._mark_dead(old)
                 self._add_live(res)
                 self.counters.compacted_bytes += res.nbytes
-            else:
-                self._bury(res.seg, key)   # a dead copy on disk: later tombstones must hide it
-                if key not in self._index and key not in self._pending:
-                    stale.append(res)
+            elif key not in self._index and key not in self._pending:
+                stale.append(res)   # a dead copy (buried when reserved): see below
         # The key left the index while the copy was written: its source segment was
         # evicted (FIFO, by a put that ran meanwhile), or it was deleted and the
         # delete wrote no tombstone because the source, then all dead and the

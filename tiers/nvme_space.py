@@ -30,6 +30,7 @@ class NvmeSpace:
         self._index[loc.header.key] = loc
         loc.seg.live_bytes += loc.nbytes
         loc.seg.keys[loc.header.key] = None
+        self._unbury(loc.seg, loc.header.key)   # buried when reserved (see NvmeTier._append)
 
     def _mark_dead(self: "NvmeTier", loc: _Loc) -> None:
         loc.seg.live_bytes -= loc.nbytes
@@ -38,11 +39,23 @@ class NvmeSpace:
 
     def _bury(self: "NvmeTier", seg: Segment, key: BlockKey) -> None:
         """Note a put record of ``key`` in ``seg`` that the index does not point at
-        (or a failed write that may have reached the disk): until ``seg`` goes,
-        a tombstone of ``key`` written after it must stay."""
+        (or one being written, which may land whatever becomes of its caller):
+        until ``seg`` goes, a tombstone of ``key`` written after it must stay."""
         if not seg.retired:
             seg.dead.add(key)
             self._graves.setdefault(key, set()).add(seg.id)
+
+    def _unbury(self: "NvmeTier", seg: Segment, key: BlockKey) -> None:
+        """The record of ``key`` in ``seg`` is live after all. An older dead put
+        of the key in the same segment needs no grave: whatever hides it lies
+        in that segment too, in order."""
+        ids = self._graves.get(key)
+        if ids is not None and seg.id in ids:
+            seg.dead.discard(key)
+            ids.discard(seg.id)
+            if not ids:
+                del self._graves[key]
+            self._grave_epoch += 1
 
     def _tomb_needed(self: "NvmeTier", key: BlockKey, seg: Segment) -> bool:
         """Whether a tombstone of ``key`` in ``seg`` still hides a put: the key is

@@ -686,8 +686,9 @@ def test_a_tombstone_whose_write_failed_is_written_again(tmp_path, monkeypatch):
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
         monkeypatch.setattr(tier, "_write_group", tombstones_fail)
-        assert await tier.delete_many([key(0)]) == [True]
-        assert tier.counters.write_errors >= 1
+        with pytest.raises(TierUnavailable, match="not durable"):   # under fsync: not acknowledged
+            await tier.delete_many([key(0)])
+        assert tier.counters.write_errors >= 1 and not await tier.contains(key(0))
         monkeypatch.setattr(tier, "_write_group", real)
         await tier.close()                         # pays what is owed
         tier = NvmeTier(conf)
@@ -801,6 +802,130 @@ def test_a_segment_that_cannot_be_created_fails_only_its_blocks(tmp_path, monkey
         assert await put(tier, [2, 3]) == [PutOutcome.STORED] * 2
         assert (await tier.check()).ok and tier.counters.write_errors == 1
         await tier.close()
+    asyncio.run(main())
+
+
+def slow_writes(tier, monkeypatch, which, then_fail: bool = False) -> threading.Event:
+    """Fault injection: writes of the kind ``which(items)`` selects wait for the
+    returned event, then land (and, with ``then_fail``, report an I/O error)."""
+    real, go = tier._write_group, threading.Event()
+
+    def gated(seg, off, items):
+        if not which(items):
+            return real(seg, off, items)
+        go.wait(5)
+        heads = real(seg, off, items)
+        if then_fail:
+            raise OSError(errno.EIO, "fdatasync: I/O error")
+        return heads
+    monkeypatch.setattr(tier, "_write_group", gated)
+    return go
+
+
+def copies(items) -> bool:
+    return any(h is not None and h.stored_len for _, h, _, _ in items)
+
+
+def tombstones(items) -> bool:
+    return all(h is not None and not h.stored_len for _, h, _, _ in items)
+
+
+async def reopened_keys(conf) -> set[bytes]:
+    tier = NvmeTier(conf)
+    keys = set(tier.iter_keys())
+    await tier.close()
+    return keys
+
+
+@pytest.mark.parametrize("how", ["source-evicted-copy-fails", "key-deleted-compaction-cancelled"])
+def test_a_copy_in_flight_never_outlives_its_block(tmp_path, monkeypatch, how):
+    """While compaction copies block 0 forward, 0 goes (its segment evicted, or
+    0 deleted), and the copy then fails after landing or its compaction is
+    cancelled: the landed copy must not bring 0 back on the next open."""
+    conf = cfg(tmp_path, blocks=8, seg_blocks=2, compact_ratio=0.6, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, range(4))
+        await tier.delete(key(1))                   # segment 1 half live: a candidate
+        go = slow_writes(tier, monkeypatch, copies, then_fail=how.startswith("source"))
+        comp = asyncio.ensure_future(tier.compact())
+        await asyncio.sleep(0.05)                   # the copy of 0 is in flight
+        if how.startswith("source"):
+            i = 4
+            while key(0) not in tier.drain_evicted():
+                await put(tier, [i])
+                i += 1
+            go.set()
+            await comp
+        else:
+            assert await tier.delete_many([key(0)]) == [True]
+            comp.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await comp
+            go.set()
+            await asyncio.sleep(0.2)                # the copy lands
+        held = set(tier.iter_keys())
+        await tier.close()
+        assert key(0) not in held and await reopened_keys(conf) == held
+    asyncio.run(main())
+
+
+def test_a_cancelled_delete_whose_tombstone_fails_stays_deleted(tmp_path, monkeypatch):
+    conf = cfg(tmp_path, blocks=8, seg_blocks=2, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, [0, 1])
+        await put(tier, [2])
+        real = tier._write_group
+        go = threading.Event()
+
+        def tomb_slow_fails(seg, off, items):
+            if tombstones(items):
+                go.wait(5)
+                raise OSError(errno.EIO, "I/O error")
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", tomb_slow_fails)
+        task = asyncio.ensure_future(tier.delete_many([key(0)]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.sleep(0.2)                    # the tombstone's write fails, unseen
+        monkeypatch.setattr(tier, "_write_group", real)
+        held = set(tier.iter_keys())
+        await tier.close()                          # pays the tombstone owed again
+        assert key(0) not in held and await reopened_keys(conf) == held
+    asyncio.run(main())
+
+
+def test_close_lets_go_of_the_directory_even_when_io_fails(tmp_path, monkeypatch):
+    conf = cfg(tmp_path, blocks=8, seg_blocks=1, durability="fsync")
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, [0])
+        await put(tier, [1])
+        real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+        def dir_fsync_fails(fd):                    # fault injection: the directory sync fails
+            if fd == tier._dir_fd:
+                raise OSError(errno.EIO, "fsync(dir): I/O error")
+            return real_fsync(fd)
+        monkeypatch.setattr(os, "fsync", dir_fsync_fails)
+        with pytest.raises(TierUnavailable, match="directory sync owed: True"):
+            await tier.delete_many([key(0)])       # its segment is unlinked: the sync is the delete
+        monkeypatch.setattr(os, "fsync", real_fsync)
+
+        def fdatasync_fails(fd):
+            raise OSError(errno.EIO, "fdatasync: I/O error")
+        monkeypatch.setattr(os, "fdatasync", fdatasync_fails)
+        with pytest.raises(OSError, match="fdatasync"):
+            await tier.close()
+        monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+        assert await reopened_keys(conf) == {key(1)}   # the lock was let go; the sync was paid
     asyncio.run(main())
 
 
