@@ -255,8 +255,7 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         A put (or copy) counts as a dead put of its key from its reservation
         until its caller indexes it (``_add_live``): a write that fails, or
         whose caller is cancelled, may still land, and later tombstones of the
-        key must hide it. A cancelled caller's tombstones are owed again
-        (their writes may fail unseen); a second copy of one is harmless.
+        key must hide it.
         """
         places: list[tuple[Segment, int] | OSError | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
@@ -292,12 +291,6 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         try:
             done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
                                        for seg, off, idx in groups], release)
-        except asyncio.CancelledError:
-            for seg, off, idx in groups:
-                for i in idx:
-                    if _is_tombstone(items[i][1]):
-                        self._owed.setdefault(items[i][0], _Loc(seg, off, items[i][1]))
-            raise
         finally:
             # "writing" lasts until the caller has the results: it indexes them
             # before its next await, so no segment looks empty in between
@@ -400,7 +393,13 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
         failed = 0
         if items:   # _append registers each tombstone in its segment when it reserves it
-            for loc, res in zip(need, await self._append(items)):
+            try:
+                results = await self._append(items)
+            except asyncio.CancelledError:   # the writes may fail unseen: owed again (twice is harmless)
+                for loc in need:
+                    self._owed.setdefault(loc.header.key, loc)
+                raise
+            for loc, res in zip(need, results):
                 if not isinstance(res, _Loc):
                     self._owed.setdefault(loc.header.key, loc)
                     failed += 1

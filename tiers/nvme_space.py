@@ -55,7 +55,8 @@ class NvmeSpace:
             ids.discard(seg.id)
             if not ids:
                 del self._graves[key]
-            self._grave_epoch += 1
+            # no _grave_epoch bump: the key is indexed now, so its tombstones are
+            # unneeded already (_tomb_needed), and pruning stays cached
 
     def _tomb_needed(self: "NvmeTier", key: BlockKey, seg: Segment) -> bool:
         """Whether a tombstone of ``key`` in ``seg`` still hides a put: the key is

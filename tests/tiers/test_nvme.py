@@ -901,6 +901,34 @@ def test_a_cancelled_delete_whose_tombstone_fails_stays_deleted(tmp_path, monkey
     asyncio.run(main())
 
 
+def test_a_cancelled_delete_owes_even_the_tombstones_it_could_not_place(tmp_path, monkeypatch):
+    conf = NvmeConfig(tmp_path, 10 * REC, segment_bytes=2 * REC + HEADER_BYTES,
+                      background_compaction=False)
+
+    async def main():
+        tier = NvmeTier(conf)
+        await put(tier, [0, 1])
+        await put(tier, [2, 3])                     # segment 2 has room for one tombstone
+        go = slow_writes(tier, monkeypatch, tombstones)
+
+        def no_new_segment():                       # fault injection: out of file descriptors
+            raise OSError(errno.EMFILE, "Too many open files")
+        real_new = tier._new_segment
+        monkeypatch.setattr(tier, "_new_segment", no_new_segment)
+        task = asyncio.ensure_future(tier.delete_many([key(0), key(2)]))
+        await asyncio.sleep(0.05)                   # tombstone 0 in flight, tombstone 2 unplaced
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr(tier, "_new_segment", real_new)
+        held = set(tier.iter_keys())
+        await tier.close()                          # pays both
+        assert held == {key(1), key(3)} and await reopened_keys(conf) == held
+    asyncio.run(main())
+
+
 def test_close_lets_go_of_the_directory_even_when_io_fails(tmp_path, monkeypatch):
     conf = cfg(tmp_path, blocks=8, seg_blocks=1, durability="fsync")
 
