@@ -42,7 +42,12 @@ Rules that keep it correct:
   :meth:`NvmeTier.honour_pins`) is skipped for the next oldest one that
   can go without bringing an older record back on the next open: none of
   its tombstones still needed, none of its live keys with a dead put in
-  an older segment. If no segment can go, the put gets NO_SPACE. Segments whose live share drops below
+  an older segment. If no segment can go, the put gets NO_SPACE.
+* Failures: a record being written counts as a dead put of its key until
+  it is indexed, so a write that fails or whose caller is cancelled, but
+  lands anyway, is hidden by later tombstones; a tombstone that cannot be
+  written is owed and written by the next operation or ``close``
+  (:mod:`kvstore.tiers.nvme_tombs`). Segments whose live share drops below
   ``compact_ratio`` are rewritten (live records copied forward) in the
   background and on :meth:`NvmeTier.compact`.
 
@@ -80,6 +85,7 @@ from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, BlockSpec, RecordHeader
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
 from kvstore.tiers.nvme_space import NvmeSpace, _nothing_pinned
+from kvstore.tiers.nvme_tombs import NvmeTombstones, _is_tombstone
 from kvstore.tiers.segments import Segment, parse_segment_name, pwritev_all, read_record_into, \
     scan_segment, start_writeback
 
@@ -145,7 +151,7 @@ def _lock_dir(path: str) -> int:
     return fd
 
 
-class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
+class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
     """The NVMe tier. Opening scans every segment header (blocking: ~one
     96-byte pread per record); use ``await NvmeTier.open(config)`` to run that
     scan off the event loop."""
@@ -305,23 +311,6 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
                 log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
         return out
 
-    async def _pay_owed_tombstones(self) -> None:
-        """Write the tombstones still owed: those eviction owes (see ``_evict``)
-        and those whose write failed. A key put again since needs none (its
-        new record is the newest); one with a put in flight waits for it. The
-        reservations may evict and owe more, hence the loop; if the disk
-        refuses, the rest waits for the next operation (or close)."""
-        if self._dir_sync_owed and not await self._sync_dir():
-            return
-        while self._owed:
-            due = [loc for key, loc in self._owed.items()
-                   if key not in self._index and key not in self._pending]
-            self._owed = {k: loc for k, loc in self._owed.items() if k in self._pending}
-            if not due:
-                return
-            if await self._write_tombstones(due):
-                return
-
     async def _run_io(self, calls: list[tuple[object, tuple]], release) -> list[object]:
         """Run blocking calls on the pool; results or exceptions, in order.
 
@@ -384,50 +373,6 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
             first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
             if last > first:
                 start_writeback(fd, first, last - first)
-
-    async def _write_tombstones(self, doomed: Sequence[_Loc]) -> int:
-        """Persist deletions. A tombstone is skipped only when no segment holds a
-        put of the key any more (its record's segment was just unlinked). One
-        that fails is owed (see ``_pay_owed_tombstones``); returns how many."""
-        need = [loc for loc in doomed if loc.header.key in self._graves]
-        items = [(loc.header.key, _tombstone(loc.header), b"", None) for loc in need]
-        failed = 0
-        if items:   # _append registers each tombstone in its segment when it reserves it
-            try:
-                results = await self._append(items)
-            except asyncio.CancelledError:   # the writes may fail unseen: owed again (twice is harmless)
-                for loc in need:
-                    self._owed.setdefault(loc.header.key, loc)
-                raise
-            for loc, res in zip(need, results):
-                if not isinstance(res, _Loc):
-                    self._owed.setdefault(loc.header.key, loc)
-                    failed += 1
-        if self._fsync and len(need) < len(doomed):  # make the unlinks that replaced them durable
-            self._dir_sync_owed = True
-            await self._sync_dir()
-        return failed
-
-    async def _sync_dir(self) -> bool:
-        """fsync the directory (unlinks durable); on failure it stays owed."""
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, os.fsync, self._dir_fd)
-        except OSError as exc:
-            self.counters.write_errors += 1
-            log.error("%s: fsync of %s failed: %s", self.name, self.config.path, exc)
-            return False
-        self._dir_sync_owed = False
-        return True
-
-    def _check_deletes_durable(self, keys: Sequence[BlockKey]) -> None:
-        """Under ``fsync`` a delete is acknowledged only once it is on disk."""
-        if not self._fsync:
-            return
-        owed = sum(k in self._owed for k in keys)
-        if owed or self._dir_sync_owed:
-            raise TierUnavailable(f"{self.name}: delete not durable yet ({owed} tombstones unwritten, "
-                                  f"directory sync owed: {self._dir_sync_owed}); the blocks are gone "
-                                  "from the index and the writes are retried by the next operation")
 
     # -- the Tier protocol -------------------------------------------------------------
     @property
@@ -626,14 +571,6 @@ class NvmeTier(NvmeSpace, NvmeMaintenance, TierOps):
         self._check_open()
         if self.config.read_only:
             raise ConfigError(f"{self.name} tier at {self.config.path} is open read-only")
-
-
-def _is_tombstone(head: RecordHeader | None) -> bool:
-    return head is not None and bool(head.flags & FLAG_TOMBSTONE)
-
-
-def _tombstone(head: RecordHeader) -> RecordHeader:
-    return RecordHeader(head.key, head.namespace, head.layout, 0, 0, 0, FLAG_TOMBSTONE)
 
 
 def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, bytes, memoryview]],
