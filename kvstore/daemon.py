@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.daemon_config import DaemonConfig, Tenant, TenantTable
+from kvstore.daemon_ledger import ledger_path, load_ledger, save_ledger
 from kvstore.daemon_metrics import MetricsServer, render_metrics
 from kvstore.errors import InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
@@ -129,6 +130,9 @@ class Daemon:
             from kvstore.factory import build_store
             store = await build_store(config.store)
         self = cls(config, store)
+        ledger = ledger_path(config.store)
+        if ledger:   # what each tenant held when the daemon last stopped (quotas)
+            load_ledger(ledger, self.tenants.by_name)
         try:
             if config.unix_path:
                 self._listen(_unix_listener(config.unix_path))
@@ -444,6 +448,12 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
+        ledger = ledger_path(self.config.store)
+        if ledger:
+            try:
+                save_ledger(ledger, self.tenants.by_name)
+            except OSError as exc:   # the blocks are safe; only the quota counts restart from zero
+                log.warning("could not write the tenant ledger %s: %s", ledger, exc)
         log.info("kvstore daemon drained")
 
 

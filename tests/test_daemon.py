@@ -24,6 +24,7 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.daemon import Daemon
 from kvstore.daemon_config import DaemonConfig, TenantSpec
+from kvstore.daemon_ledger import LEDGER_NAME
 from kvstore.errors import (
     ConfigError,
     InvalidBlock,
@@ -487,6 +488,40 @@ def test_restart_keeps_nvme_blocks_and_client_reconnects(tmp_path):
         c.close()
         proc.terminate()
         proc.wait(20)
+
+
+def test_tenant_quotas_hold_across_a_restart(tmp_path):
+    cfg = daemon_config(tmp_path)
+    keys, blocks = blocks_for(81)
+    d = ThreadDaemon(cfg)
+    try:
+        with client(d.url, TOK_B) as b:
+            assert b.put(IDENT, keys[:QUOTA_BLOCKS], blocks[:QUOTA_BLOCKS]) == [PutOutcome.STORED] * QUOTA_BLOCKS
+    finally:
+        d.stop()                                           # drain: flush, then the ledger
+    d = ThreadDaemon(cfg)
+    try:
+        with client(d.url, TOK_B) as b:
+            assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
+            assert b.put(IDENT, keys[QUOTA_BLOCKS:], blocks[QUOTA_BLOCKS:]) == \
+                [PutOutcome.NO_SPACE] * (len(keys) - QUOTA_BLOCKS)
+            assert PutOutcome.NO_SPACE not in b.put(IDENT, keys[:2], blocks[:2])   # its own: free
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("junk", [b"", b"\xc1garbage", b"\x82\xa7version\x01\xa7tenants\x81\xa5bravo\x91\x92\xa3abc\x05"])
+def test_a_bad_tenant_ledger_is_ignored(tmp_path, junk, caplog):
+    cfg = daemon_config(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme" / LEDGER_NAME).write_bytes(junk)
+    d = ThreadDaemon(cfg)                                  # starts anyway: counts from zero
+    try:
+        with client(d.url, TOK_B) as b:
+            assert b.stats()["tenant"]["used_bytes"] == 0
+    finally:
+        d.stop()
+    assert "ignoring the tenant ledger" in caplog.text
 
 
 def test_daemon_config_validation(tmp_path):
