@@ -89,9 +89,9 @@ def test_import_kvstore_stays_light():
                           check=True).stdout.strip() == "[]"
 
 
-def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
+def fill_nvme(path, n: int) -> None:
+    """An NVMe tier directory holding ``n`` 8 KiB blocks (block i all bytes i)."""
     import asyncio
-    import os
 
     import numpy as np
 
@@ -99,11 +99,17 @@ def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
     from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 
     async def fill():
-        tier = await NvmeTier.open(NvmeConfig(path=str(tmp_path), capacity_bytes=64 << 20))
-        await tier.put_many(BlockSpec.raw(8192), [bytes([i + 1]) * 32 for i in range(5)],
-                            [np.full(8192, i, np.uint8) for i in range(5)])
+        tier = await NvmeTier.open(NvmeConfig(path=str(path), capacity_bytes=64 << 20))
+        await tier.put_many(BlockSpec.raw(8192), [bytes([i + 1]) * 32 for i in range(n)],
+                            [np.full(8192, i, np.uint8) for i in range(n)])
         await tier.close()
     asyncio.run(fill())
+
+
+def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
+    import os
+
+    fill_nvme(tmp_path, 5)
     assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
     seg = next(f for f in os.listdir(tmp_path) if f.endswith(".seg"))
     with open(tmp_path / seg, "r+b") as f:
@@ -117,21 +123,10 @@ def test_check_finds_and_fixes_a_corrupt_nvme_record(tmp_path):
 
 
 def test_check_without_fix_only_reads(tmp_path):
-    import asyncio
     import hashlib
     import os
 
-    import numpy as np
-
-    from kvstore.record import BlockSpec
-    from kvstore.tiers.nvme import NvmeConfig, NvmeTier
-
-    async def fill():
-        tier = await NvmeTier.open(NvmeConfig(path=str(tmp_path), capacity_bytes=64 << 20))
-        await tier.put_many(BlockSpec.raw(8192), [bytes([i + 1]) * 32 for i in range(3)],
-                            [np.full(8192, i, np.uint8) for i in range(3)])
-        await tier.close()
-    asyncio.run(fill())
+    fill_nvme(tmp_path, 3)
     seg = next(f for f in os.listdir(tmp_path) if f.endswith(".seg"))
     with open(tmp_path / seg, "ab") as f:
         f.write(b"\x01" * 500)                       # a torn tail: an append a crash cut short
