@@ -47,7 +47,14 @@ class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, placement: PlacementPolicy | None = None,
                  eviction: Callable[[], EvictionPolicy] = LRU,
                  clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
-                 max_prefetch_blocks: int = 4096, flush_on_close: bool = True) -> None:
+                 max_prefetch_blocks: int = 4096, flush_on_close: bool = True,
+                 durable_tier: int | None = None) -> None:
+        """``durable_tier``: the index of a tier whose writes are durable when
+        they return (NVMe under ``durability="fsync"``). Every block a put
+        stores is then written there too, and the put's outcome is that
+        write's: STORED / EXISTS only once the block is on disk, else the
+        tier's NO_SPACE / UNAVAILABLE (a copy in a faster tier may still
+        serve hits, but is not acknowledged)."""
         if not tiers:
             raise KVStoreError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -83,6 +90,10 @@ class TieredStore:
         self._prefetch_queued = 0
         self._tasks: set[asyncio.Task] = set()
         self._flush_on_close = flush_on_close
+        if durable_tier is not None and not (0 <= durable_tier < len(self.tiers)
+                                             and self.tiers[durable_tier].persistent):
+            raise KVStoreError(f"durable_tier must name a persistent tier, got {durable_tier!r}")
+        self.durable_tier = durable_tier
 
     # -- lookup -----------------------------------------------------------------
     async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
@@ -137,13 +148,16 @@ class TieredStore:
 
     # -- put --------------------------------------------------------------------
     async def aput(self, identity: CacheIdentity, keys: Sequence[BlockKey],
-                   blocks: Sequence[object]) -> list[PutOutcome]:
+                   blocks: Sequence[object], *, owner: int = 0) -> list[PutOutcome]:
         """Store sealed blocks (idempotent). Returns one outcome per key.
 
         Keys with the same placement go to their tier as one batch (one
         ``put_many``: one fdatasync for a durable NVMe tier, one pipeline for Redis).
+        ``owner``: the tag every record carries (the daemon's tenant; see
+        :mod:`kvstore.record`). With a ``durable_tier`` the outcome is the
+        durable write's (see ``__init__``).
         """
-        spec = BlockSpec.of(identity)
+        spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
         out = [PutOutcome.DECLINED] * len(keys)
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -156,7 +170,23 @@ class TieredStore:
                     if out[i] is not PutOutcome.STORED and (out[i] is PutOutcome.DECLINED
                                                             or r is not PutOutcome.NO_SPACE):
                         out[i] = r
+        if self.durable_tier is not None:
+            await self._put_durably(spec, keys, views, out)
         return out
+
+    async def _put_durably(self, spec: BlockSpec, keys: list[BlockKey], views: list,
+                           out: list[PutOutcome]) -> None:
+        """Acknowledge only what the durable tier holds: write every block the
+        placement stored (anywhere) there too; EXISTS where it already is.
+        No fall-through below it: a slower tier would not be durable."""
+        todo = [i for i, o in enumerate(out) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
+        if not todo:
+            return
+        durable: list[PutOutcome] = list(out)
+        await self._put_round(self.durable_tier, spec, keys, views, todo, durable, [None] * len(keys))
+        for i in todo:
+            if durable[i] not in (PutOutcome.STORED, PutOutcome.EXISTS):
+                out[i] = durable[i]
 
     async def _put_batch(self, ti: int, spec: BlockSpec, keys: list[BlockKey], views: list,
                          where: list[int | None] | None = None) -> list[PutOutcome]:
@@ -178,6 +208,10 @@ class TieredStore:
     async def _put_round(self, t: int, spec: BlockSpec, keys: list[BlockKey], views: list,
                          todo: list[int], out: list[PutOutcome], where: list[int | None]) -> list[int]:
         tier, counters, order = self.tiers[t], self.stats.tier(self.names[t]), self._order[t]
+        if not tier.admits(spec):   # a block this tier can never hold (larger than a DRAM page)
+            for i in todo:
+                out[i] = PutOutcome.NO_SPACE
+            return list(todo)
         await self._make_room(t, spec, sum(keys[i] not in order for i in todo))
         res = await tier.put_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
         self._after_self_eviction(t)
@@ -251,7 +285,7 @@ class TieredStore:
         head = (await self.tiers[src].stat_many([key]))[0]
         if head is None:
             return None, None
-        spec = BlockSpec(head.namespace, head.layout, head.raw_len)
+        spec = BlockSpec.of_header(head)
         buf = np.empty(spec.nbytes, dtype=np.uint8)
         if (await self.tiers[src].get_into_many(spec, [key], [buf]))[0] is not GetOutcome.HIT \
                 or self._invalidated_since(spec.namespace, start):
@@ -276,13 +310,14 @@ class TieredStore:
 
     # -- get --------------------------------------------------------------------
     async def aget_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
-                        dsts: Sequence[object]) -> list[MissReason | None]:
+                        dsts: Sequence[object], *, owner: int = 0) -> list[MissReason | None]:
         """Fill each destination from the fastest tier holding its block.
 
         Returns None per hit, else the miss reason. A corrupt copy in one tier
         is dropped and the next tier is tried before the block counts as a miss.
+        ``owner``: as for :meth:`aput`; a record of another owner never matches.
         """
-        spec = BlockSpec.of(identity)
+        spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, dsts, writable=True)
         start = self._epoch
         tenant = self.stats.tenant_label(identity.cache_salt)

@@ -144,6 +144,55 @@ def test_check_without_fix_only_reads(tmp_path):
     assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
 
 
+def test_check_writes_nothing_not_even_a_lock_file(tmp_path):
+    import os
+
+    fill_nvme(tmp_path, 2)
+    before = sorted(os.listdir(tmp_path))
+    assert "LOCK" not in before
+    assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_check_leaves_a_fifo_and_a_directory_named_seg_alone_and_says_so(tmp_path):
+    """Neither hangs nor crashes check; --fix cannot mend them and says so
+    (exit 1); once removed by hand, check passes."""
+    import os
+
+    fill_nvme(tmp_path, 2)
+    os.mkfifo(tmp_path / "00000000000000aa.seg")
+    os.mkdir(tmp_path / "00000000000000ab.seg")
+    bad = kvstore("check", "--nvme-path", str(tmp_path), check=False)
+    assert bad.returncode == 1 and bad.stdout.count("not a regular file") == 2, bad.stdout + bad.stderr
+    assert "live blocks 2" in bad.stdout and "Traceback" not in bad.stderr
+    fixed = kvstore("check", "--nvme-path", str(tmp_path), "--fix", check=False)
+    assert fixed.returncode == 1 and fixed.stdout.count("not fixed:") == 2, fixed.stdout
+    assert "remove it by hand" in fixed.stdout
+    os.unlink(tmp_path / "00000000000000aa.seg")
+    os.rmdir(tmp_path / "00000000000000ab.seg")
+    assert kvstore("check", "--nvme-path", str(tmp_path)).returncode == 0
+
+
+def test_check_fix_mends_an_unreadable_region_for_good(tmp_path):
+    """A damaged header mid-segment: check reports the unreadable bytes; --fix
+    rewrites the segment (its good records copied forward) and exits 0; every
+    later check passes (before, the region stayed and every check failed)."""
+    import os
+
+    fill_nvme(tmp_path, 5)
+    seg = next(f for f in os.listdir(tmp_path) if f.endswith(".seg"))
+    frame = 8 + 96 + 8192
+    with open(tmp_path / seg, "r+b") as f:
+        f.seek(64 + 2 * frame)                       # the third record's frame head
+        f.write(bytes(40))
+    bad = kvstore("check", "--nvme-path", str(tmp_path), check=False)
+    assert bad.returncode == 1 and "unreadable bytes" in bad.stdout and "live blocks 4" in bad.stdout
+    fixed = kvstore("check", "--nvme-path", str(tmp_path), "--fix")
+    assert "segments rewritten 1" in fixed.stdout and "not fixed" not in fixed.stdout, fixed.stdout
+    after = kvstore("check", "--nvme-path", str(tmp_path))
+    assert "live blocks 4" in after.stdout and "problem" not in after.stdout
+
+
 def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
     out, plots = tmp_path / "replay.json", tmp_path / "plots"
     r = kvstore("bench", "replay", "--workload", "agent", "--duration", "40", "--json", str(out),

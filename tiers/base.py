@@ -39,7 +39,9 @@ class Tier(Protocol):
     @property
     def used_bytes(self) -> int: ...
     def fits(self, spec: BlockSpec, count: int = 1) -> bool: ...
+    def admits(self, spec: BlockSpec) -> bool: ...
     def iter_keys(self) -> Iterator[BlockKey]: ...
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]: ...
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
     async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]: ...
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
@@ -58,14 +60,21 @@ def check_batch(spec: BlockSpec, keys: Sequence[object], bufs: Sequence[object],
         raise InvalidBlock(f"{len(keys)} keys but {len(bufs)} buffers")
     what = "destination" if writable else "payload"
     checked_keys = [check_key(k) for k in keys]
-    views = [as_bytes_view(b, writable=writable, what=what) for b in bufs]
+    views = [as_bytes_view(b, writable=writable, what=what, dtype=spec.dtype) for b in bufs]
     for v in views:
         check_size(v, spec, what)
     return checked_keys, views
 
 
 class TierOps:
-    """Single-block forms derived from a tier's batch forms (mixin)."""
+    """Single-block forms derived from a tier's batch forms, and the defaults
+    of the contract's optional methods (mixin)."""
+
+    def admits(self, spec: BlockSpec) -> bool:
+        """Whether a block of ``spec`` could ever be stored here (empty tier).
+        False for a block larger than the tier's unit of space: the store then
+        skips the tier (and evicts nothing for it) instead of failing the put."""
+        return spec.nbytes <= self.capacity_bytes  # type: ignore[attr-defined]
 
     async def put(self: Tier, spec: BlockSpec, key: BlockKey, payload: object) -> PutOutcome:
         return (await self.put_many(spec, [key], [payload]))[0]

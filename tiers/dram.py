@@ -63,10 +63,18 @@ class DramTier(TierOps):
         return self._alloc.used_bytes
 
     def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        return self._alloc.can_alloc(spec.nbytes, count)
+        return self.admits(spec) and self._alloc.can_alloc(spec.nbytes, count)
+
+    def admits(self, spec: BlockSpec) -> bool:
+        """A block must fit one arena page (``page_bytes``); a larger one goes
+        to the next tier (the store skips this one for it)."""
+        return self._alloc.admits(spec.nbytes)
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
+
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        return iter([(k, h.owner, h.raw_len) for k, (_, h) in self._index.items()])
 
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self._index for k in keys]
@@ -77,13 +85,13 @@ class DramTier(TierOps):
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                        payloads: Sequence[object]) -> list[PutOutcome]:
         keys, views = check_batch(spec, keys, payloads, writable=False)
-        self._alloc.check(spec.nbytes)
+        fits_a_page = self.admits(spec)
         out = []
         for key, view in zip(keys, views):
             if key in self._index:
                 out.append(PutOutcome.EXISTS)
                 continue
-            off = self._alloc.alloc(spec.nbytes)
+            off = self._alloc.alloc(spec.nbytes) if fits_a_page else None
             if off is None:
                 out.append(PutOutcome.NO_SPACE)
                 continue

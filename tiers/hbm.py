@@ -191,8 +191,15 @@ class HbmTier(TierOps):
             return self.config.capacity_bytes // slot_bytes_for(spec.nbytes) >= count
         return spec.nbytes == self._block and len(self._free) >= count
 
+    def admits(self, spec: BlockSpec) -> bool:
+        """One block size per arena: the first put cuts the slots."""
+        return self.fits(spec, 1) if not self._block else spec.nbytes == self._block
+
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
+
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        return iter([(k, e[1].owner, e[1].raw_len) for k, e in self._index.items()])
 
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self._index for k in keys]
@@ -230,7 +237,8 @@ class HbmTier(TierOps):
                 self._pending.add(key)
                 csum = checksums[i] if checksums is not None else None
                 head = RecordHeader(key, spec.namespace, spec.layout, spec.nbytes, spec.nbytes,
-                                    0 if csum is None else csum, 0 if csum is None else FLAG_CHECKSUM)
+                                    0 if csum is None else csum, 0 if csum is None else FLAG_CHECKSUM,
+                                    spec.owner)
                 plan.append((key, self._free.pop(), end, head))
                 out.append(PutOutcome.STORED)
         if plan:
@@ -431,7 +439,7 @@ class HbmTier(TierOps):
         if ref is not None:
             self._check_nbytes(ref.nbytes, spec, what)
             return _End("device", self.backend.handle(ref), None, ref.stream)
-        view = as_bytes_view(buf, writable=writable, what=what)
+        view = as_bytes_view(buf, writable=writable, what=what, dtype=spec.dtype)
         self._check_nbytes(view.nbytes, spec, what)
         return _End("host", None, np.frombuffer(view, dtype=np.uint8), None)
 

@@ -33,8 +33,14 @@ class MemoryTier(TierOps):
     def fits(self, spec: BlockSpec, count: int = 1) -> bool:
         return self._used + count * (HEADER_BYTES + spec.nbytes) <= self._capacity
 
+    def admits(self, spec: BlockSpec) -> bool:
+        return HEADER_BYTES + spec.nbytes <= self._capacity
+
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._records))
+
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        return iter([(k, h.owner, h.raw_len) for k, (h, _) in self._records.items()])
 
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self._records for k in keys]

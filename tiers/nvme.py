@@ -1,11 +1,16 @@
 """NVMe tier: append-only segment files of checksummed records.
 
 Layout on disk: ``<path>/<id>.seg`` files (:mod:`kvstore.tiers.segments`)
-holding records (:mod:`kvstore.record`) back to back, plus a ``LOCK`` file
-so two processes never append to the same directory. The index (key ->
+holding sealed frames of records (:mod:`kvstore.record`) back to back. The
+directory itself is locked (``flock``: exclusive for a tier that writes,
+shared for a read-only one, so ``kvstore check`` writes nothing), so two
+processes never append to it. The directory is made mode 0700 and every
+file 0600: the segments hold every tenant's K/V. The index (key ->
 segment, offset, header) lives in memory and is rebuilt on open by reading
-every record header, so the tier finds its contents again after a restart,
-a crash or a power cut, with no side index to keep consistent.
+every frame head, so the tier finds its contents again after a restart,
+a crash or a power cut, with no side index to keep consistent. Files named
+``*.seg`` that are not regular files (a FIFO, a directory, a link) are
+never opened; they are reported (``foreign``) and left alone.
 
 Rules that keep it correct:
 
@@ -13,7 +18,9 @@ Rules that keep it correct:
   the batch that carried it (and the directory fsync of a new segment
   file). ``none`` leaves write-back to the kernel: a crash of the process
   loses nothing, a power cut may lose recent puts but never returns them
-  torn, because every read verifies the payload checksum.
+  torn, because every read verifies the payload checksum. A write the disk
+  refuses for space (ENOSPC, EDQUOT, EFBIG) answers ``NO_SPACE``, any other
+  failure ``UNAVAILABLE``: never ``STORED``.
 * A read verifies the on-disk header and the xxh3 payload checksum on the
   destination buffer itself; a mismatch answers ``CORRUPT``, drops the key
   and writes a tombstone so it does not come back after a restart.
@@ -69,9 +76,11 @@ and unchanged until the call returns.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
+import stat
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,14 +89,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, BlockSpec, RecordHeader, check_layout, \
-    make_header
+from kvstore.record import FLAG_TOMBSTONE, BlockSpec, RecordHeader, check_layout, make_header
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
 from kvstore.tiers.nvme_space import NvmeSpace, _nothing_pinned
 from kvstore.tiers.nvme_tombs import NvmeTombstones, _is_tombstone
-from kvstore.tiers.segments import Segment, parse_segment_name, pwritev_all, read_record_into, \
-    scan_segment, start_writeback
+from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES, Framing, Segment, \
+    pack_segment_header, parse_segment_name, pwritev_all, read_framing, read_record_into, \
+    recover_framing, scan_segment, start_writeback
 
 __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 
@@ -95,6 +104,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 MIN_CAPACITY_BYTES = 4096
 _WRITE_CHUNK = 2 << 20       # bytes per pwritev: checksummed just before, so still in cache
 _PAGE = 4096
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 log = logging.getLogger(__name__)
 
 
@@ -141,14 +151,12 @@ def _int_at_least(name: str, value: object, low: int) -> None:
         raise ConfigError(f"NVMe {name} must be an int >= {low}, got {value!r}")
 
 
-def _lock_dir(path: str) -> int:
-    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _lock_dir(fd: int, path: str, *, shared: bool) -> None:
+    """flock the directory itself: no lock file, so a read-only open writes nothing."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
         raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
-    return fd
 
 
 class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
@@ -166,9 +174,15 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         self._seg_limit = max(4096, min(config.segment_bytes, config.capacity_bytes // 4))
         self._fsync = config.durability == "fsync"
         if not config.read_only:
-            os.makedirs(config.path, exist_ok=True)
-        self._lock_fd = _lock_dir(config.path)
+            os.makedirs(config.path, mode=0o700, exist_ok=True)
         self._dir_fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _lock_dir(self._dir_fd, config.path, shared=config.read_only)
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+        self.foreign: list[str] = []              # *.seg names that are not regular files (left alone)
+        self.headless: list[str] = []             # segment files with a torn segment header
         self._segments: dict[int, Segment] = {}   # insertion order == id order == age order
         self._index: dict[BlockKey, _Loc] = {}
         self._pending: set[BlockKey] = set()       # puts reserved but not yet written
@@ -205,34 +219,72 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         found = sorted((sid, name) for name in os.listdir(self.config.path)
                        if (sid := parse_segment_name(name)) is not None)
         for sid, name in found:
-            path = os.path.join(self.config.path, name)
-            fd = os.open(path, (os.O_RDONLY if self.config.read_only else os.O_RDWR) | os.O_CLOEXEC)
-            size = os.fstat(fd).st_size
-            res = scan_segment(fd, size)
-            if res.end < size and not self.config.read_only:  # a torn tail: an append the crash cut short
-                os.ftruncate(fd, res.end)
-                if self._fsync:
-                    os.fsync(fd)
-                self.counters.torn_bytes += size - res.end
-                log.warning("%s: truncated %d torn bytes at the end of %s", self.name, size - res.end, name)
-            for start, end in res.skipped:
-                self.counters.skipped_bytes += end - start
-                log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
-            # read-only: the torn tail stays, and is counted, so check() reports it
-            seg = Segment(sid, path, fd, size if self.config.read_only else res.end)
+            self._next_id = sid + 1
+            seg = self._open_segment(sid, name)
+            if seg is None:
+                continue
             self._segments[sid] = seg
             self._used += seg.size
-            for off, head in res.records:
-                self._apply(seg, off, head)
-            self._next_id = sid + 1
         if self.config.read_only:
             return
-        if found:
-            last = self._segments[found[-1][0]]
-            self._active = last if last.size < self._seg_limit else None
+        newest = next(reversed(self._segments.values()), None)
+        if newest is not None and newest.framing.seal is not None and newest.size < self._seg_limit:
+            self._active = newest   # appends go on where they stopped (never into a version-1 file)
         while self._used > self._capacity and self._segments:  # capacity shrank since last run
             self._evict(self._oldest())
         self._reclaim()
+
+    def _open_segment(self, sid: int, name: str) -> Segment | None:
+        """Open, check and scan one segment file; None if it is not one to use
+        (not a regular file, or created just before a crash: no segment header)."""
+        path = os.path.join(self.config.path, name)
+        ro = self.config.read_only
+        try:   # O_NONBLOCK: a FIFO named *.seg must not hang the open; O_NOFOLLOW: no links
+            fd = os.open(path, (os.O_RDONLY if ro else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            fd = -1
+        st = os.fstat(fd) if fd >= 0 else None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            if fd >= 0:
+                os.close(fd)
+            self.foreign.append(name)
+            log.warning("%s: %s is not a regular file; left alone", self.name, path)
+            return None
+        size = st.st_size
+        framing = read_framing(fd, size)
+        if framing is None and (framing := recover_framing(fd, size)) is not None:
+            log.warning("%s: %s had a damaged segment header; its seal was recovered from the first "
+                        "record%s", self.name, path, "" if ro else " and the header rewritten")
+            if not ro:
+                os.pwrite(fd, pack_segment_header(framing), 0)
+        if framing is None:   # torn segment header, no record after it: nothing acknowledged
+            self.headless.append(name)
+            self.counters.torn_bytes += size
+            log.warning("%s: %s has no intact segment header (%d bytes)%s", self.name, path, size,
+                        "" if ro else "; removed")
+            if ro:
+                return Segment(sid, path, fd, Framing(None), size)   # kept for check() to report
+            os.close(fd)
+            os.unlink(path)
+            return None
+        res = scan_segment(fd, size, framing)
+        if res.end < size and not ro:  # a torn tail: an append the crash cut short
+            os.ftruncate(fd, res.end)
+            if self._fsync:
+                os.fsync(fd)
+            self.counters.torn_bytes += size - res.end
+            log.warning("%s: truncated %d torn bytes at the end of %s", self.name, size - res.end, name)
+        for start, end in res.skipped:
+            self.counters.skipped_bytes += end - start
+            log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
+        # read-only: the torn tail stays, and is counted, so check() reports it
+        seg = Segment(sid, path, fd, framing, size if ro else res.end)
+        for off, head in res.records:
+            self._apply(seg, off, head)
+        return seg
 
     def _apply(self, seg: Segment, off: int, head: RecordHeader) -> None:
         """Replay one scanned record: the latest record of a key wins."""
@@ -267,7 +319,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
         for i, (key, head, payload, _) in enumerate(items):
-            size = HEADER_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
+            size = FRAME_HEAD_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
             tomb = _is_tombstone(head)
             try:
                 where = self._reserve(size, tombstone=tomb and not keep_pins)
@@ -351,8 +403,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
                 if head is None:
                     head = make_header(key, spec, payload)
                 heads.append(head)
-                bufs += (head.pack(), payload)
-                offset += HEADER_BYTES + head.stored_len
+                bufs += (seg.framing.frame_head(head), payload)
+                offset += seg.framing.frame_bytes(head.stored_len)
                 if offset - start >= _WRITE_CHUNK:
                     if writing is not None:
                         writing.result()
@@ -385,10 +437,17 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
 
     def fits(self, spec: BlockSpec, count: int = 1) -> bool:
         """Whether ``count`` blocks fit without evicting anything."""
-        return self._used + count * (HEADER_BYTES + spec.nbytes) <= self._capacity
+        return self._used + count * (FRAME_HEAD_BYTES + spec.nbytes) <= self._capacity
+
+    def admits(self, spec: BlockSpec) -> bool:
+        """A record fits a segment of its own under capacity."""
+        return SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES + spec.nbytes <= self._capacity
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
+
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        return iter([(k, loc.header.owner, loc.header.raw_len) for k, loc in self._index.items()])
 
     def drain_evicted(self) -> list[BlockKey]:
         """Keys evicted (by FIFO segment eviction) since the last call."""
@@ -420,7 +479,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         finally:
             self._pending.difference_update(keys[i] for i in todo)
         for i, res in zip(todo, results):
-            if res is None:
+            if res is None or (isinstance(res, OSError) and res.errno in _DISK_FULL):
                 out[i] = PutOutcome.NO_SPACE
             elif isinstance(res, BaseException):
                 out[i] = PutOutcome.UNAVAILABLE
@@ -470,7 +529,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
             return []
         for loc, _ in reads:
             loc.seg.pin()
-        jobs = [(i, loc.seg.fd, loc.offset, loc.header, loc.header.pack(), view)
+        jobs = [(i, loc.seg.fd, loc.offset, loc.header, loc.seg.framing, view)
                 for i, (loc, view) in enumerate(reads)]
         results = [False] * len(jobs)
         queue = iter(jobs)  # list iterators are safe to share: next() runs under the GIL
@@ -558,10 +617,9 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
-        for fd in (getattr(self, "_dir_fd", -1), self._lock_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._dir_fd = self._lock_fd = -1
+        if self._dir_fd >= 0:   # closing it lets go of the directory lock too
+            os.close(self._dir_fd)
+        self._dir_fd = -1
 
     def _check_open(self) -> None:
         if self._closed:
@@ -573,8 +631,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
             raise ConfigError(f"{self.name} tier at {self.config.path} is open read-only")
 
 
-def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, bytes, memoryview]],
+def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, Framing, memoryview]],
                  results: list[bool]) -> None:
     """Worker: take reads from the shared queue until it is empty."""
-    for i, fd, off, head, packed, dst in queue:
-        results[i] = read_record_into(fd, off, head, packed, dst)
+    for i, fd, off, head, framing, dst in queue:
+        results[i] = read_record_into(fd, off, head, framing, dst)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.keys import BlockKey
-from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, RecordHeader
-from kvstore.tiers.segments import Segment, read_record, verify_segment
+from kvstore.record import FLAG_TOMBSTONE, RecordHeader
+from kvstore.tiers.segments import FRAME_HEAD_BYTES, Framing, Segment, read_record, verify_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.tiers.nvme import NvmeTier
@@ -46,7 +46,7 @@ class _Loc:
 
     @property
     def nbytes(self) -> int:
-        return HEADER_BYTES + self.header.stored_len
+        return self.seg.framing.frame_bytes(self.header.stored_len)
 
 
 @dataclass(slots=True)
@@ -81,6 +81,8 @@ class CheckReport:
     corrupt_keys: list[BlockKey] = field(default_factory=list)   # live blocks whose record is bad
     dead_corrupt: int = 0         # bad records no key points at (harmless; compaction drops them)
     dropped: int = 0              # of those, dropped by fix=True
+    rewritten: int = 0            # segments fix=True rewrote to be rid of unreadable regions
+    remaining: list[str] = field(default_factory=list)   # problems still there after fix=True
 
     @property
     def ok(self) -> bool:
@@ -121,18 +123,18 @@ class NvmeMaintenance:
         ratio = self.config.compact_ratio
         out = []
         for s in self._segments.values():
-            if s is self._active or s.writing or not s.size:
+            if s is self._active or s.writing or not s.has_records:
                 continue
             if s.live_bytes and s.live_bytes >= ratio * s.size:
                 continue
             self._prune_tombs(s)
-            kept = s.live_bytes + HEADER_BYTES * len(s.tombs)
+            kept = s.live_bytes + FRAME_HEAD_BYTES * len(s.tombs)
             if kept == 0 or kept < ratio * s.size:
                 out.append(s)
         return out
 
     def _room_to_compact(self: "NvmeTier", seg: Segment) -> bool:
-        return self._used + seg.live_bytes + HEADER_BYTES * len(seg.tombs) <= self._capacity
+        return self._used + seg.live_bytes + FRAME_HEAD_BYTES * len(seg.tombs) <= self._capacity
 
     async def _compact_all(self: "NvmeTier") -> int:
         # One compaction at a time: two copying the same segment would leave a
@@ -190,7 +192,7 @@ class NvmeMaintenance:
     async def _copy_forward(self: "NvmeTier", seg: Segment, chunk: list[_Loc]) -> None:
         loop = asyncio.get_running_loop()
         bufs = await loop.run_in_executor(
-            self._pool, _read_records, seg.fd, [(loc.offset, loc.header) for loc in chunk])
+            self._pool, _read_records, seg.fd, seg.framing, [(loc.offset, loc.header) for loc in chunk])
         # Filter and reserve with no await in between: a key deleted or replaced while
         # we read is not copied (a copy after its tombstone would resurrect it).
         live, bad = [], []
@@ -255,19 +257,49 @@ class NvmeMaintenance:
         def release() -> None:
             for s in segs:
                 s.unpin()
-        results = await self._run_io([(verify_segment, (s.fd, s.size)) for s in segs], release)
+        results = await self._run_io([(verify_segment, (s.fd, s.size, s.framing)) for s in segs], release)
         for res in results:
             if isinstance(res, BaseException):
                 raise res
         report = CheckReport(segments=len(segs), live_blocks=len(self._index))
+        for name in self.foreign:
+            report.problems.append(f"{name}: not a regular file; the tier leaves it alone (remove it by hand)")
+        for name in self.headless:
+            report.problems.append(f"{name}: no intact segment header (a file created just before a crash)")
         bad: list[_Loc] = []
+        damaged: list[Segment] = []
         for seg, res in zip(segs, results):
             bad.extend(self._check_segment(seg, res, report))
-        if fix and bad:
+            if res.scan.skipped:
+                damaged.append(seg)
+        if fix:
+            await self._fix(report, bad, damaged)
+        return report
+
+    async def _fix(self: "NvmeTier", report: CheckReport, bad: list[_Loc], damaged: list[Segment]) -> None:
+        """Drop the bad live blocks (tombstones keep them gone), rewrite every
+        segment with an unreadable region (its good records copied forward,
+        the file unlinked), then verify again: ``report.remaining`` is what is
+        still wrong (a problem fix cannot mend is reported, never hidden)."""
+        if bad:
             before = self.counters.corrupt
             await self._drop_corrupt(bad)
             report.dropped = self.counters.corrupt - before
-        return report
+        for seg in damaged:
+            if seg.retired:
+                continue
+            if seg is self._active:
+                self._active = None   # sealed, so it can be copied forward
+            report.rewritten += bool(await self._rewrite(seg))
+        self.headless.clear()   # a writable open removed them
+        report.remaining = (await self.check(fix=False)).problems
+
+    async def _rewrite(self: "NvmeTier", seg: Segment) -> int:
+        """Copy a segment's live records forward and unlink it, now (``check(fix=True)``)."""
+        async with self._compaction_lock:
+            if seg.retired or not self._room_to_compact(seg):
+                return 0
+            return await self._compact_segment(seg)
 
     def _check_segment(self: "NvmeTier", seg: Segment, res, report: CheckReport) -> list[_Loc]:
         name = os.path.basename(seg.path)
@@ -301,6 +333,7 @@ class NvmeMaintenance:
         return bad
 
 
-def _read_records(fd: int, wanted: list[tuple[int, RecordHeader]]) -> list[bytearray | None]:
+def _read_records(fd: int, framing: Framing, wanted: list[tuple[int, RecordHeader]]
+                  ) -> list[bytearray | None]:
     """Worker: each record's payload, or None where it fails its checks."""
-    return [read_record(fd, off, head) for off, head in wanted]
+    return [read_record(fd, off, head, framing) for off, head in wanted]

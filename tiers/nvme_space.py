@@ -12,12 +12,14 @@ are in :mod:`kvstore.tiers.nvme`'s docstring; eviction out of FIFO order
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvstore.keys import BlockKey
 from kvstore.tiers.nvme_maint import _Loc
-from kvstore.tiers.segments import Segment, segment_name
+from kvstore.tiers.segments import SEGMENT_HEADER_BYTES, Segment, new_framing, pack_segment_header, \
+    segment_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.tiers.nvme import NvmeTier
@@ -146,7 +148,7 @@ class NvmeSpace:
         """Unlink all-dead segments that hold no tombstone still needed. Returns bytes freed."""
         freed = 0
         for seg in list(self._segments.values()):
-            if seg.live_bytes or seg.writing or (seg is self._active and seg.size == 0):
+            if seg.live_bytes or seg.writing or (seg is self._active and not seg.has_records):
                 continue
             if seg is not self._oldest():
                 self._prune_tombs(seg)
@@ -157,25 +159,38 @@ class NvmeSpace:
         return freed
 
     def _new_segment(self: "NvmeTier") -> Segment:
+        """A new segment file with its header (and fresh seal) written: a small
+        blocking write on the loop, like the open itself. Under ``fsync`` it
+        becomes durable with the first batch written into the file."""
         sid = self._next_id
         self._next_id += 1
         path = os.path.join(self.config.path, segment_name(sid))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        seg = Segment(sid, path, fd)
+        framing = new_framing()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if os.pwrite(fd, pack_segment_header(framing), 0) != SEGMENT_HEADER_BYTES:
+                raise OSError(errno.ENOSPC, "short write of a segment header")
+        except BaseException:   # no half-made segment is left behind
+            os.close(fd)
+            os.unlink(path)
+            raise
+        seg = Segment(sid, path, fd, framing, SEGMENT_HEADER_BYTES)
         seg.dir_synced = not self._fsync
         self._segments[sid] = seg
+        self._used += SEGMENT_HEADER_BYTES
         self._active = seg
         return seg
 
     def _reserve(self: "NvmeTier", nbytes: int, *, tombstone: bool = False) -> tuple[Segment, int] | None:
         """Place ``nbytes`` at the end of the active segment, evicting segments
         (see ``_victim``) until it fits under capacity. None if it cannot fit."""
-        if nbytes > self._capacity:
+        if nbytes + SEGMENT_HEADER_BYTES > self._capacity:
             return None
         act = self._active
-        if act is not None and act.size and act.size + nbytes > self._seg_limit:
+        if act is not None and act.has_records and act.size + nbytes > self._seg_limit:
             self._active = None  # sealed: full
-        while self._used + nbytes > self._capacity:
+        # a new segment costs its header too (and eviction may retire the active one)
+        while self._used + nbytes + (0 if self._active else SEGMENT_HEADER_BYTES) > self._capacity:
             victim = self._victim(for_tombstone=tombstone)
             if victim is None:
                 return None

@@ -97,4 +97,4 @@ def _is_tombstone(head: RecordHeader | None) -> bool:
 
 
 def _tombstone(head: RecordHeader) -> RecordHeader:
-    return RecordHeader(head.key, head.namespace, head.layout, 0, 0, 0, FLAG_TOMBSTONE)
+    return RecordHeader(head.key, head.namespace, head.layout, 0, 0, 0, FLAG_TOMBSTONE, head.owner)

@@ -224,6 +224,10 @@ class RedisTier(TierOps):
         self._ledger.purge()
         return iter(list(self._ledger.sizes))
 
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        self._ledger.purge()
+        return iter([(k, owner, raw) for k, (owner, raw) in self._ledger.owners.items()])
+
     def _name(self, key: BlockKey) -> bytes:
         return storage_name(self.config.prefix, key).encode()
 
@@ -438,7 +442,7 @@ class RedisTier(TierOps):
         for (i, *_, size), reply in zip(sends, replies):
             out[i] = PutOutcome.UNAVAILABLE if reply is DOWN else reply
             if out[i] in (PutOutcome.STORED, PutOutcome.EXISTS):
-                self._ledger.add(keys[i], size, self.config.ttl_s)
+                self._ledger.add(keys[i], size, self.config.ttl_s, spec.owner, spec.nbytes)
         for o in out:
             self._count_put(o)
         return out  # type: ignore[return-value]
@@ -591,7 +595,7 @@ class RedisTier(TierOps):
                     continue
                 if self._ledger.used + head.record_bytes > self.capacity_bytes:
                     return adopted
-                self._ledger.add(head.key, head.record_bytes, self.config.ttl_s)
+                self._ledger.add(head.key, head.record_bytes, self.config.ttl_s, head.owner, head.raw_len)
                 adopted += 1
         return adopted
 

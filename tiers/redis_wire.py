@@ -65,11 +65,13 @@ class Breaker:
 
 
 class Ledger:
-    """The tier's own account of its records: name -> record bytes, with TTL expiry."""
+    """The tier's own account of its records: name -> record bytes (and the
+    record's owner and raw length, for the daemon's quotas), with TTL expiry."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.sizes: dict[BlockKey, int] = {}
+        self.owners: dict[BlockKey, tuple[int, int]] = {}   # key -> (owner, raw_len)
         self.expiry: dict[BlockKey, float] = {}
         self._heap: list[tuple[float, BlockKey]] = []
         self.used = 0
@@ -81,9 +83,11 @@ class Ledger:
             if self.expiry.get(key) == when:
                 self.remove(key)
 
-    def add(self, key: BlockKey, nbytes: int, ttl_s: float | None) -> None:
+    def add(self, key: BlockKey, nbytes: int, ttl_s: float | None, owner: int = 0,
+            raw_len: int = 0) -> None:
         self.remove(key)
         self.sizes[key] = nbytes
+        self.owners[key] = (owner, raw_len)
         self.used += nbytes
         if ttl_s is not None:
             when = self.clock() + ttl_s
@@ -94,6 +98,7 @@ class Ledger:
         nbytes = self.sizes.pop(key, None)
         if nbytes is not None:
             self.used -= nbytes
+        self.owners.pop(key, None)
         self.expiry.pop(key, None)
 
     def holds(self, key: BlockKey) -> bool:

@@ -1,10 +1,32 @@
 """NVMe segment files: append-only files of records, and the scan that reads them back.
 
-A segment is a file ``<16 hex digits>.seg`` holding records (the 96-byte
-header of :mod:`kvstore.record` followed by the payload) back to back, with
-no padding and no side index: a scan of the headers rebuilds everything.
+A segment is a file ``<16 hex digits>.seg``: a 64-byte segment header, then
+records back to back, each *framed* by the segment's seal::
+
+    segment header   magic "KVSG" | version u8 | 3 pad | seal 8s | 44 pad | crc32 u32
+    frame            seal 8s | record header 96 bytes (kvstore.record) | payload
+
+with no padding and no side index: a scan of the frames rebuilds everything.
 Segment ids only grow, so id order is age order; that order is what makes
 FIFO eviction and tombstones sound (see :mod:`kvstore.tiers.nvme`).
+
+Why a seal. After a torn or damaged header the scan must find the next
+record, and the only bytes it can look at are the file's, most of which are
+payloads that clients wrote. A header with a valid crc inside a payload is
+easy to forge (the record format is public), and once it was taken for a
+record the forger's bytes were served under any key it named. The seal is 8
+random bytes made when the segment is created, kept only in the segment's
+own header, and never shown to a client: a frame is only taken where the
+seal stands in front of an intact header, so no payload can pass for a
+frame (it would have to contain a value it cannot know). Rejected: a keyed
+crc or MAC in the record header (the header is the same in every tier and
+full; a MAC buys nothing the unknown seal does not), and resyncing only at
+offsets the writer journals (a second file to keep consistent).
+
+Version-1 segments (written before seals, they start with a record's
+magic) are still read, but never resynced: a damaged header ends their scan
+(the rest is unreadable, not truncated) and nothing is appended to them;
+compaction and eviction retire them in time.
 
 Threading: the functions here are blocking and touch only file descriptors
 and caller-owned buffers, so they are safe to run on worker threads. The
@@ -16,6 +38,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,6 +54,90 @@ SUFFIX = ".seg"
 IOV_MAX = 1024            # Linux's UIO_MAXIOV: at most this many buffers per pwritev
 _RESYNC_CHUNK = 1 << 20   # bytes read at a time while looking for the next good header
 _VERIFY_CHUNK = 8 << 20   # bytes read at a time by check()
+
+SEGMENT_MAGIC = b"KVSG"
+SEGMENT_VERSION = 2       # version 1 had no segment header (and no seal)
+_SEG_HEAD = struct.Struct("<4sB3x8s44x")
+SEGMENT_HEADER_BYTES = _SEG_HEAD.size + 4   # + crc32
+assert SEGMENT_HEADER_BYTES == 64
+SEAL_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How records sit in one segment file: behind the segment's seal (None:
+    a version-1 segment, unsealed, read only)."""
+
+    seal: bytes | None
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes in front of each payload: seal + record header."""
+        return HEADER_BYTES + (SEAL_BYTES if self.seal is not None else 0)
+
+    @property
+    def start(self) -> int:
+        """Offset of the first record."""
+        return SEGMENT_HEADER_BYTES if self.seal is not None else 0
+
+    def frame_bytes(self, stored_len: int) -> int:
+        return self.head_bytes + stored_len
+
+    def frame_head(self, header: RecordHeader) -> bytes:
+        return (self.seal or b"") + header.pack()
+
+    def parse(self, raw: bytes | bytearray) -> RecordHeader | None:
+        """The record header framed in ``raw`` (``head_bytes`` long), or None
+        when the seal is not there or the header is torn or foreign."""
+        n = self.head_bytes - HEADER_BYTES
+        if len(raw) < self.head_bytes or (n and raw[:n] != self.seal):
+            return None
+        try:
+            return unpack_header(bytes(raw[n:self.head_bytes]))
+        except CorruptRecord:
+            return None
+
+
+LEGACY = Framing(None)
+FRAME_HEAD_BYTES = SEAL_BYTES + HEADER_BYTES   # what a new record costs beyond its payload
+
+
+def new_framing() -> Framing:
+    return Framing(os.urandom(SEAL_BYTES))
+
+
+def pack_segment_header(framing: Framing) -> bytes:
+    assert framing.seal is not None
+    head = _SEG_HEAD.pack(SEGMENT_MAGIC, SEGMENT_VERSION, framing.seal)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def read_framing(fd: int, size: int) -> Framing | None:
+    """The framing of an open segment file (blocking), or None when its
+    segment header is missing or torn (a file created just before a crash:
+    it holds nothing that was acknowledged, see NvmeTier)."""
+    raw = os.pread(fd, SEGMENT_HEADER_BYTES, 0) if size else b""
+    if raw[:4] == MAGIC:
+        return LEGACY
+    if len(raw) < SEGMENT_HEADER_BYTES:
+        return None
+    head, (crc,) = raw[:_SEG_HEAD.size], struct.unpack_from("<I", raw, _SEG_HEAD.size)
+    magic, version, seal = _SEG_HEAD.unpack(head)
+    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or zlib.crc32(head) != crc:
+        return None
+    return Framing(seal)
+
+
+def recover_framing(fd: int, size: int) -> Framing | None:
+    """The framing of a segment whose header is damaged, from its first frame
+    (blocking): offset 64 always holds a frame the tier wrote, never payload,
+    so a seal read there is the segment's own if an intact header follows it."""
+    if size < SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES:
+        return None
+    cand = Framing(os.pread(fd, SEAL_BYTES, SEGMENT_HEADER_BYTES))
+    if cand.parse(os.pread(fd, cand.head_bytes, SEGMENT_HEADER_BYTES)) is None:
+        return None
+    return cand
 
 
 def segment_name(seg_id: int) -> str:
@@ -59,13 +167,14 @@ class Segment:
     segment exists, a tombstone of such a key written after it is needed.
     """
 
-    __slots__ = ("id", "path", "fd", "size", "live_bytes", "keys", "dead", "tombs", "pruned", "pins",
-                 "writing", "retired", "dir_synced")
+    __slots__ = ("id", "path", "fd", "framing", "size", "live_bytes", "keys", "dead", "tombs", "pruned",
+                 "pins", "writing", "retired", "dir_synced")
 
-    def __init__(self, seg_id: int, path: str, fd: int, size: int = 0) -> None:
+    def __init__(self, seg_id: int, path: str, fd: int, framing: Framing, size: int) -> None:
         self.id = seg_id
         self.path = path
         self.fd = fd
+        self.framing = framing
         self.size = size
         self.live_bytes = 0
         self.keys: dict[BlockKey, None] = {}   # live keys in append order (an ordered set)
@@ -83,6 +192,10 @@ class Segment:
     @property
     def dead_bytes(self) -> int:
         return self.size - self.live_bytes
+
+    @property
+    def has_records(self) -> bool:
+        return self.size > self.framing.start
 
     def pin(self) -> None:
         self.pins += 1
@@ -120,9 +233,11 @@ class Segment:
 class ScanResult:
     """What a scan found in one segment file.
 
-    ``records`` are (offset, header) of every record whose header is intact
-    and whose extent lies inside the file; ``end`` is the offset just past
-    the last such record: anything after it is a torn tail. ``skipped`` are
+    ``records`` are (offset, header) of every frame that is intact (seal and
+    header) and whose extent lies inside the file; ``end`` is the offset just
+    past the last such record: anything after it is a torn tail (a version-1
+    segment reports an unreadable tail in ``skipped`` instead, since it
+    cannot tell a torn tail from a damaged header). ``skipped`` are
     (start, end) byte ranges of unreadable data between good records.
     """
 
@@ -131,66 +246,67 @@ class ScanResult:
     skipped: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _header_at(fd: int, offset: int, size: int) -> RecordHeader | None:
-    """The record header at ``offset`` if it is intact and its record fits in the file."""
-    if offset + HEADER_BYTES > size:
+def _frame_at(fd: int, framing: Framing, offset: int, size: int) -> RecordHeader | None:
+    """The record framed at ``offset`` if it is intact and fits in the file."""
+    if offset + framing.head_bytes > size:
         return None
-    try:
-        head = unpack_header(os.pread(fd, HEADER_BYTES, offset))
-    except CorruptRecord:
+    head = framing.parse(os.pread(fd, framing.head_bytes, offset))
+    if head is None or (head.flags & FLAG_TOMBSTONE and head.stored_len != 0):
         return None
-    if head.flags & FLAG_TOMBSTONE and head.stored_len != 0:
-        return None
-    if offset + HEADER_BYTES + head.stored_len > size:
+    if offset + framing.frame_bytes(head.stored_len) > size:
         return None  # header survived, payload did not: a torn record
     return head
 
 
-def _resync(fd: int, start: int, size: int) -> int | None:
-    """Offset of the next intact record after ``start``, or None.
-
-    Looks for the magic and confirms with the header's crc32, so payload
-    bytes that happen to spell the magic are not taken for a header.
-    """
+def _resync(fd: int, framing: Framing, start: int, size: int) -> int | None:
+    """Offset of the next intact frame after ``start``, or None. Only where the
+    segment's seal stands: no payload can hold it (see the module docstring)."""
+    mark = framing.seal
+    assert mark is not None
     pos = start
     while pos < size:
         chunk = os.pread(fd, min(_RESYNC_CHUNK, size - pos), pos)
         if not chunk:
             return None
-        i = chunk.find(MAGIC)
+        i = chunk.find(mark)
         while i >= 0:
-            if _header_at(fd, pos + i, size) is not None:
+            if _frame_at(fd, framing, pos + i, size) is not None:
                 return pos + i
-            i = chunk.find(MAGIC, i + 1)
-        if len(chunk) < len(MAGIC):
+            i = chunk.find(mark, i + 1)
+        if len(chunk) < len(mark):
             return None
-        pos += len(chunk) - (len(MAGIC) - 1)   # overlap so a magic split across chunks is seen
+        pos += len(chunk) - (len(mark) - 1)   # overlap so a seal split across chunks is seen
     return None
 
 
-def scan_segment(fd: int, size: int) -> ScanResult:
-    """Walk a segment's headers (blocking). Reads 96 bytes per record, not payloads.
+def scan_segment(fd: int, size: int, framing: Framing) -> ScanResult:
+    """Walk a segment's frames (blocking). Reads one frame head per record, not payloads.
 
-    A bad header followed somewhere by a good one is a corrupt region and is
-    skipped; a bad header followed by nothing good is a torn tail, and the
+    A bad frame followed somewhere by a good one is a corrupt region and is
+    skipped; a bad frame followed by nothing good is a torn tail, and the
     scan ends there. Payload checksums are not verified here (that would
     read the whole disk on start); :func:`read_record_into` verifies every
     payload as it is read, and :func:`verify_segment` verifies all of them.
     """
-    out = ScanResult()
-    off = 0
+    out = ScanResult(end=framing.start)
+    off = framing.start
     while off < size:
-        head = _header_at(fd, off, size)
+        head = _frame_at(fd, framing, off, size)
         if head is None:
-            nxt = _resync(fd, off + 1, size)
+            if framing.seal is None:   # version 1: never resynced
+                out.skipped.append((off, size))
+                break
+            nxt = _resync(fd, framing, off + 1, size)
             if nxt is None:
                 break
             out.skipped.append((off, nxt))
             off = nxt
             continue
         out.records.append((off, head))
-        off += HEADER_BYTES + head.stored_len
+        off += framing.frame_bytes(head.stored_len)
         out.end = off
+    if framing.seal is None:
+        out.end = size   # nothing is truncated from a version-1 segment
     return out
 
 
@@ -253,29 +369,29 @@ def pwritev_all(fd: int, bufs: Sequence[object], offset: int) -> int:
     return total
 
 
-def read_record_into(fd: int, offset: int, header: RecordHeader, packed: bytes,
+def read_record_into(fd: int, offset: int, header: RecordHeader, framing: Framing,
                      dst: memoryview) -> bool:
     """Read one record straight into ``dst`` (blocking); True if it is intact.
 
-    One preadv fills a 96-byte header buffer and the caller's destination,
-    so the payload is never copied twice. The on-disk header must equal
-    ``packed`` (the header the index holds) and the payload must match its
-    xxh3 checksum. On False, ``dst`` holds unspecified bytes.
+    One preadv fills a small frame-head buffer and the caller's destination,
+    so the payload is never copied twice. The on-disk frame must carry the
+    segment's seal and ``header`` (the one the index holds), and the payload
+    must match its xxh3 checksum. On False, ``dst`` holds unspecified bytes.
     """
-    hbuf = bytearray(HEADER_BYTES)
+    hbuf = bytearray(framing.head_bytes)
     try:
         n = os.preadv(fd, [hbuf, dst], offset)
     except OSError:
         return False
-    if n != HEADER_BYTES + dst.nbytes or hbuf != packed:
+    if n != framing.head_bytes + dst.nbytes or framing.parse(hbuf) != header:
         return False
     return not (header.flags & FLAG_CHECKSUM) or checksum(dst) == header.checksum
 
 
-def read_record(fd: int, offset: int, header: RecordHeader) -> bytearray | None:
+def read_record(fd: int, offset: int, header: RecordHeader, framing: Framing) -> bytearray | None:
     """A record's payload as a fresh buffer if intact (blocking); None if not."""
     buf = bytearray(header.stored_len)
-    ok = read_record_into(fd, offset, header, header.pack(), memoryview(buf))
+    ok = read_record_into(fd, offset, header, framing, memoryview(buf))
     return buf if ok else None
 
 
@@ -287,13 +403,13 @@ class VerifyResult:
     bad: list[tuple[int, RecordHeader, str]] = field(default_factory=list)
 
 
-def verify_segment(fd: int, size: int) -> VerifyResult:
+def verify_segment(fd: int, size: int, framing: Framing) -> VerifyResult:
     """Scan a segment and verify every payload checksum (blocking; reads it all)."""
-    res = VerifyResult(scan_segment(fd, size))
+    res = VerifyResult(scan_segment(fd, size, framing))
     for off, head in res.scan.records:
         if head.flags & FLAG_TOMBSTONE or not head.flags & FLAG_CHECKSUM:
             continue
-        if not _payload_ok(fd, off + HEADER_BYTES, head):
+        if not _payload_ok(fd, off + framing.head_bytes, head):
             res.bad.append((off, head, "payload checksum mismatch"))
     return res
 

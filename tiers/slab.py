@@ -46,6 +46,10 @@ class SlabAllocator:
         self.used_bytes = 0
         self.capacity_bytes = npages * self.page_bytes
 
+    def admits(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` fits one page (so could ever be allocated)."""
+        return 0 < nbytes and slot_size(nbytes) <= self.page_bytes
+
     def check(self, nbytes: int) -> int:
         size = slot_size(nbytes)
         if nbytes <= 0 or size > self.page_bytes:

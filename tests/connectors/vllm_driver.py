@@ -29,27 +29,26 @@ import sys
 def corrupt_record(nvme_path: str, index: int) -> str:
     """Flip one payload byte of the ``index``-th stored record (append order,
     tombstones skipped) in the NVMe tier's segment files: a real torn block."""
-    from kvstore.record import FLAG_TOMBSTONE, HEADER_BYTES, unpack_header
+    from kvstore.record import FLAG_TOMBSTONE
+    from kvstore.tiers.segments import read_framing, scan_segment
 
     seen = 0
     for name in sorted(n for n in os.listdir(nvme_path) if n.endswith(".seg")):
         path = os.path.join(nvme_path, name)
-        size = os.path.getsize(path)
         with open(path, "r+b") as f:
-            off = 0
-            while off + HEADER_BYTES <= size:
-                f.seek(off)
-                head = unpack_header(f.read(HEADER_BYTES))
-                if not head.flags & FLAG_TOMBSTONE:
-                    if seen == index:
-                        pos = off + HEADER_BYTES + head.stored_len // 2
-                        f.seek(pos)
-                        byte = f.read(1)
-                        f.seek(pos)
-                        f.write(bytes([byte[0] ^ 0xFF]))
-                        return head.key.hex()
-                    seen += 1
-                off += HEADER_BYTES + head.stored_len
+            size = os.fstat(f.fileno()).st_size
+            framing = read_framing(f.fileno(), size)
+            for off, head in scan_segment(f.fileno(), size, framing).records:
+                if head.flags & FLAG_TOMBSTONE:
+                    continue
+                if seen == index:
+                    pos = off + framing.head_bytes + head.stored_len // 2
+                    f.seek(pos)
+                    byte = f.read(1)
+                    f.seek(pos)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                    return head.key.hex()
+                seen += 1
     raise SystemExit(f"no record {index} in {nvme_path} (found {seen})")
 
 

@@ -19,6 +19,8 @@ BLOCK = 16 * 1024
 SPEC = BlockSpec(b"N" * 16, b"L" * 8, BLOCK)
 OTHER_NS = BlockSpec(b"M" * 16, b"L" * 8, BLOCK)
 OTHER_LAYOUT = BlockSpec(b"N" * 16, b"Q" * 8, BLOCK)
+OWNED = BlockSpec(b"N" * 16, b"L" * 8, BLOCK, owner=0xA11CE)         # a daemon tenant's records
+HALF = BlockSpec(b"N" * 16, b"L" * 8, BLOCK, dtype="float16")         # typed: float16 elements
 
 
 def key(i: int) -> bytes:
@@ -184,6 +186,44 @@ class TierContract:
         ro.flags.writeable = False
         with pytest.raises(InvalidBlock):
             run(tier.get_into(SPEC, key(1), ro))
+
+    def test_records_carry_their_owner_and_never_match_another(self, tier, loop):
+        """The daemon rebuilds each tenant's usage from the owners tiers report,
+        and a record is never read back under another owner."""
+        run = loop.run_until_complete
+        assert run(tier.put(OWNED, key(1), payload(1))) is PutOutcome.STORED
+        assert run(tier.put(SPEC, key(2), payload(2))) is PutOutcome.STORED
+        assert sorted(tier.iter_owners()) == [(key(1), OWNED.owner, BLOCK), (key(2), 0, BLOCK)]
+        assert run(tier.stat(key(1))).owner == OWNED.owner
+        dst = np.full(BLOCK, 7, np.uint8)
+        with pytest.raises(LayoutMismatch):
+            run(tier.get_into(SPEC, key(1), dst))
+        with pytest.raises(LayoutMismatch):
+            run(tier.get_into(OWNED, key(2), dst))
+        assert (dst == 7).all()
+        assert run(tier.get_into(OWNED, key(1), dst)) is GetOutcome.HIT
+        assert np.array_equal(dst, payload(1))
+
+    def test_a_buffer_of_another_dtype_is_a_typed_error(self, tier, loop):
+        """A float32 buffer of the block's byte size under a float16 identity
+        would store wrong K/V: refused, the tier unchanged. Raw bytes and
+        float16 pass."""
+        run = loop.run_until_complete
+        before = self._snapshot(tier)
+        wrong = np.zeros(BLOCK // 4, np.float32)
+        with pytest.raises(InvalidBlock, match="dtype"):
+            run(tier.put(HALF, key(1), wrong))
+        with pytest.raises(InvalidBlock, match="dtype"):
+            run(tier.put(HALF, key(1), np.zeros(BLOCK // 8, np.float64)))
+        assert self._snapshot(tier) == before
+        half = np.arange(BLOCK // 2, dtype=np.float16)
+        assert run(tier.put(HALF, key(1), half)) is PutOutcome.STORED
+        assert run(tier.put(HALF, key(2), payload(2))) is PutOutcome.STORED
+        with pytest.raises(InvalidBlock, match="dtype"):
+            run(tier.get_into(HALF, key(1), np.zeros(BLOCK // 4, np.float32)))
+        dst = np.zeros(BLOCK // 2, np.float16)
+        assert run(tier.get_into(HALF, key(1), dst)) is GetOutcome.HIT
+        assert np.array_equal(dst, half)
 
     def test_drop_namespace(self, tier, loop):
         run = loop.run_until_complete
