@@ -72,7 +72,7 @@ class StoreConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("store config must be an object")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise ConfigError(f"unknown store config field(s): {', '.join(unknown)}; known: {sorted(known)}")
         values = dict(data)
@@ -86,8 +86,14 @@ class StoreConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "StoreConfig":
-        try:
-            with open(path, encoding="utf-8") as f:
-                return cls.from_dict(json.load(f))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read store config {path}: {exc}") from exc
+        return cls.from_dict(read_config_file(path, "store config"))
+
+
+def read_config_file(path: str, what: str) -> Any:
+    """A JSON config file's contents; every way it can fail is a ConfigError
+    naming the file (unreadable, not UTF-8, not JSON, nested too deep)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:   # ValueError: JSON and UTF-8 errors
+        raise ConfigError(f"cannot read {what} {path}: {exc}"[:500]) from None

@@ -11,112 +11,86 @@ memoryview without joining. Rejected: asyncio streams (copy every chunk;
 but replies through ``transport.write``, which copies whatever the socket
 does not take at once; the coroutine-per-connection form is also simpler).
 
-Bulk bytes on the same host can go through shared memory instead: the client
-creates a file in /dev/shm, the daemon maps it (``SHM_ATTACH``), and a PUT
-or GET then moves each block with one memcpy on each side.
+Bulk bytes on the same host can go through shared memory instead: the
+daemon makes a sealed segment per connection and passes its descriptor
+(``SHM_ATTACH``, :mod:`kvstore.shm`); a PUT or GET then moves each block
+with one memcpy on each side.
 
-Ownership: a request's buffers belong to its connection; the store copies
-out of a PUT buffer before ``aput`` returns and fills a GET buffer before
-``aget_into`` returns, so one per-connection scratch buffer is reused.
-A client that disconnects mid-request leaves nothing behind: the store call
-runs to completion (its transfer refcounts are released in ``finally``) and
-only the reply is lost.
+Trust: a peer is hostile until it authenticates, and a tenant is hostile
+to every other. Before HELLO a peer may send one small frame within
+``auth_timeout_s``; after it, every connection, buffer, pin and request is
+bounded per tenant (:mod:`kvstore.daemon_limits`), idle connections are
+closed, and the accept loop outlives running out of descriptors (it backs
+off, sheds the pending connection, and ``/health`` says degraded).
+
+Ownership: a request's buffers belong to its connection (see
+:mod:`kvstore.daemon_conn`). A client that disconnects mid-request leaves
+nothing behind: the store call runs to completion (its transfer refcounts
+are released in ``finally``) and only the reply is lost.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import errno
 import logging
-import mmap
 import os
-import re
+import resource
 import signal
 import socket
+import stat
 import time
 from collections.abc import Callable
-from typing import Any
 
-import numpy as np
-
-from kvstore.daemon_config import DaemonConfig, Tenant, TenantTable
-from kvstore.daemon_ledger import ledger_path, load_ledger, save_ledger
-from kvstore.daemon_metrics import MetricsServer, render_metrics
-from kvstore.errors import InvalidBlock, KVStoreError
-from kvstore.identity import CacheIdentity
-from kvstore.keys import check_key
-from kvstore.outcomes import PutOutcome
+from kvstore.daemon_config import DaemonConfig
+from kvstore.daemon_conn import Conn
+from kvstore.daemon_metrics import MetricsServer
+from kvstore.daemon_ops import Handlers
+from kvstore.daemon_tenants import Tenant, TenantTable, load_key_secret
+from kvstore.errors import AuthFailed, KVStoreError, Overloaded, ProtocolError
 from kvstore.protocol import (
     HEADER_SIZE,
     MAX_META_BYTES,
+    PREAUTH_META_BYTES,
     STATUS_ERROR,
-    AuthFailed,
     Op,
-    ProtocolError,
     error_meta,
     frame,
-    populated_mmap,
-    unmap,
     unpack_header,
     unpack_meta,
 )
-from kvstore.record import BlockSpec
+from kvstore.shm import peer_credentials, send_with_fds
 from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
-SHM_DIR = "/dev/shm"
-SHM_NAME = re.compile(r"^kvstore-shm-[0-9a-f]{32}$")
-_IDENTITY_CACHE = 256     # parsed identities per tenant
-
-
-class _Conn:
-    """One client connection's state (loop only)."""
-
-    __slots__ = ("idents", "peer", "scratch", "shm", "shm_map", "sock", "tenant")
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.tenant: Tenant | None = None
-        self.scratch = np.empty(0, dtype=np.uint8)
-        self.shm: np.ndarray | None = None
-        self.shm_map: mmap.mmap | None = None
-        self.idents: dict[bytes, CacheIdentity] = {}
-
-    def buffer(self, nbytes: int) -> memoryview:
-        """The reusable scratch buffer, grown (and pre-touched) on demand."""
-        if self.scratch.nbytes < nbytes:
-            self.scratch = np.zeros(nbytes, dtype=np.uint8)  # zeros: touched once, not per request
-        return memoryview(self.scratch)[:nbytes]
-
-    def drop_shm(self) -> None:
-        self.shm = None
-        unmap(self.shm_map)
-        self.shm_map = None
-
-    def close(self) -> None:
-        self.drop_shm()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_DEGRADED_FOR_S = 5.0        # /health says degraded this long after the last sign of trouble
+_FD_RESERVE = 64             # descriptors kept for the store, the metrics server and logging
+_SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
 
 
 class Daemon:
     """The server. ``await Daemon.start(cfg)`` opens the store and the
     listeners; ``await drain()`` stops it gracefully. Loop-bound."""
 
-    def __init__(self, config: DaemonConfig, store: TieredStore,
+    def __init__(self, config: DaemonConfig, store: TieredStore, key_secret: bytes,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.store = store
-        self.tenants = TenantTable(config)
+        self.tenants = TenantTable(config, key_secret)
         self.clock = clock
         self.started = clock()
         self.draining = False
         self.requests: dict[str, int] = {op.name: 0 for op in Op}
         self.errors = 0
+        self.max_connections = _connection_limit(config)
+        self.handlers = Handlers(self)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
-        self._conns: dict[asyncio.Task, _Conn] = {}
+        self._conns: dict[asyncio.Task, Conn] = {}
+        self.preauth = 0                           # connections not authenticated yet
+        self._degraded: dict[str, float] = {}      # reason -> until (clock)
+        self._spare_fd = _spare()
         self._busy = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -125,72 +99,141 @@ class Daemon:
 
     @classmethod
     async def start(cls, config: DaemonConfig, store: TieredStore | None = None) -> Daemon:
-        """Open the store (unless given) and start listening."""
+        """Open the store (unless given), count what each tenant holds, listen."""
+        secret = load_key_secret(config)
+        _raise_fd_limit()
         if store is None:
-            from kvstore.factory import build_store
+            from kvstore.factory import build_store  # noqa: PLC0415 - imports every configured tier
             store = await build_store(config.store)
-        self = cls(config, store)
-        ledger = ledger_path(config.store)
-        if ledger:   # what each tenant held when the daemon last stopped (quotas)
-            load_ledger(ledger, self.tenants.by_name)
+        self = cls(config, store, secret)
+        counted = self.tenants.rebuild(store.iter_owners())
         try:
             if config.unix_path:
-                self._listen(_unix_listener(config.unix_path))
+                self._listen(_unix_listener(config.unix_path, config.unix_mode))
             if config.tcp_port is not None:
                 sock = socket.create_server((config.tcp_host, config.tcp_port), reuse_port=False)
                 self.tcp_port = sock.getsockname()[1]
                 self._listen(sock)
             if config.metrics_port is not None:
-                self.metrics = await MetricsServer.start(config.tcp_host, config.metrics_port, self)
+                self.metrics = await MetricsServer.start(config.metrics_host, config.metrics_port, self)
         except BaseException:
             await self._close_listeners()
             await store.aclose()
             raise
-        log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s)", config.unix_path,
-                 self.tcp_port, self.metrics.port if self.metrics else None)
+        log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s); %d stored blocks counted "
+                 "against %d tenants", config.unix_path, self.tcp_port,
+                 self.metrics.port if self.metrics else None, counted, len(self.tenants.by_name))
         return self
 
+    def tenant_label(self, tenant: Tenant) -> str:
+        return tenant.name if self.config.metrics_tenant_names else tenant.label
+
+    # -- health ------------------------------------------------------------------
+    def degrade(self, reason: str) -> None:
+        self._degraded[reason] = self.clock() + _DEGRADED_FOR_S
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, text) for /health: draining, degraded (with why) or ok."""
+        if self.draining:
+            return False, "draining"
+        now = self.clock()
+        reasons = sorted(r for r, until in self._degraded.items() if until > now)
+        return (False, "degraded: " + "; ".join(reasons)) if reasons else (True, "ok")
+
+    # -- accepting ---------------------------------------------------------------------
     def _listen(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self._listeners.append(sock)
         self._accepts.append(asyncio.get_running_loop().create_task(self._accept(sock)))
 
     async def _accept(self, listener: socket.socket) -> None:
+        """Accept for ever. Out of descriptors: shed the pending connection (with
+        the spare descriptor), report degraded, back off, go on."""
         loop = asyncio.get_running_loop()
+        backoff = 0.01
         while True:
-            sock, addr = await loop.sock_accept(listener)
-            if len(self._conns) >= self.config.max_connections:
-                sock.close()  # refuse rather than queue: the client sees a reset and retries
-                continue
-            sock.setblocking(False)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, opt, self.config.socket_buffer_bytes)
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, str(addr) or "unix")
-            task = loop.create_task(self._serve_conn(conn))
-            self._conns[task] = conn
-            task.add_done_callback(self._conns.pop)
+            try:
+                sock, addr = await loop.sock_accept(listener)
+            except OSError as exc:
+                if exc.errno in _OUT_OF_FDS:
+                    self.degrade(f"accept: {os.strerror(exc.errno)}")
+                    log.warning("accept: %s; backing off %.2fs", os.strerror(exc.errno), backoff)
+                    self._shed(listener)
+                    await asyncio.sleep(backoff)
+                    backoff = min(1.0, backoff * 2)
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN):
+                    continue
+                raise
+            backoff = 0.01
+            self._admit(loop, sock, addr)
+
+    def _shed(self, listener: socket.socket) -> None:
+        """Accept one pending connection and close it at once, on the spare
+        descriptor, so its client hears a reset instead of waiting in the backlog."""
+        if self._spare_fd >= 0:
+            os.close(self._spare_fd)
+            self._spare_fd = -1
+        with contextlib.suppress(OSError):
+            sock, _ = listener.accept()
+            sock.close()
+        self._spare_fd = _spare()
+
+    def _admit(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: object) -> None:
+        if len(self._conns) >= self.max_connections or self.preauth >= self.config.limits.max_preauth_connections:
+            self.degrade("connection limit reached")
+            sock.close()   # refuse rather than queue: the client sees a reset and retries
+            return
+        sock.setblocking(False)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, self.config.socket_buffer_bytes)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            creds = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        conn = Conn(sock, f"pid {creds[0]} uid {creds[1]}" if creds else str(addr), creds)
+        self.preauth += 1
+        task = loop.create_task(self._serve_conn(conn))
+        self._conns[task] = conn
+        task.add_done_callback(self._conns.pop)
+
+    def authenticated(self, conn: Conn) -> None:
+        """A connection's HELLO succeeded (called by the handlers)."""
+        self.preauth -= 1
 
     # -- one connection -------------------------------------------------------
-    async def _serve_conn(self, conn: _Conn) -> None:
+    async def _serve_conn(self, conn: Conn) -> None:
         loop = asyncio.get_running_loop()
         header = bytearray(HEADER_SIZE)
+        limits = self.config.limits
+        auth_deadline = self.clock() + limits.auth_timeout_s
         try:
             while not self.draining:
-                if not await _recv_into(loop, conn.sock, memoryview(header), eof_ok=True):
-                    return  # the client closed between requests
+                wait = limits.idle_timeout_s if conn.tenant else max(0.0, auth_deadline - self.clock())
+                try:
+                    async with asyncio.timeout(wait):
+                        if not await _recv_into(loop, conn.sock, memoryview(header), eof_ok=True):
+                            return  # the client closed between requests
+                except TimeoutError:
+                    log.info("connection %s: %s; closing it", conn.peer,
+                             "idle too long" if conn.tenant else "no HELLO in time")
+                    return
                 self._busy += 1
                 self._idle.clear()
+                conn.busy = True
                 try:
                     if not await self._request(loop, conn, header):
                         return
                 finally:
+                    conn.busy = False
                     self._busy -= 1
                     if self._busy == 0:
                         self._idle.set()
-        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.debug("connection %s dropped: %s", conn.peer, exc)
         except asyncio.CancelledError:
             pass  # drain closes idle connections
@@ -198,227 +241,86 @@ class Daemon:
             self.errors += 1
             log.exception("connection %s: unexpected error", conn.peer)
         finally:
+            if conn.tenant is not None:
+                conn.tenant.connections -= 1
+            else:
+                self.preauth -= 1
             conn.close()
 
-    async def _request(self, loop: asyncio.AbstractEventLoop, conn: _Conn, header: bytearray) -> bool:
+    async def _request(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: bytearray) -> bool:
         """Serve one request whose header has arrived. False: close the connection."""
         op, req_id = header[5], 0  # for an error reply before the header parses
+        limits = self.config.limits
+        ten = conn.tenant
+        held_meta = 0
+        body_read = False
         try:
             op, _status, req_id, meta_len, payload_len = unpack_header(
-                header, max_meta=MAX_META_BYTES, max_payload=self.config.max_payload_bytes)
-            meta_buf = bytearray(meta_len)
-            await _recv_into(loop, conn.sock, memoryview(meta_buf))
+                header, max_meta=MAX_META_BYTES, max_payload=limits.max_request_bytes)
+            if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
+                raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
+            if ten is not None and meta_len > _SMALL_META:   # a big request's metadata counts while served
+                ten.take_buffer(meta_len, limits.tenant_buffer_bytes)
+                held_meta = meta_len
+            async with asyncio.timeout(limits.request_timeout_s):
+                meta_buf = bytearray(meta_len)
+                await _recv_into(loop, conn.sock, memoryview(meta_buf))
+                payload = self.buffer_for(conn, payload_len) if payload_len else memoryview(b"")
+                await _recv_into(loop, conn.sock, payload)
+            body_read = True
             meta = unpack_meta(meta_buf) if meta_len else {}
-            payload = conn.buffer(payload_len)
-            await _recv_into(loop, conn.sock, payload)
+            del meta_buf
             try:
                 op = Op(op)
             except ValueError:
                 raise ProtocolError(f"unknown opcode {op}") from None
-            if conn.tenant is None and op is not Op.HELLO:
-                raise AuthFailed("authenticate first (HELLO with a token)")
             self.requests[op.name] += 1
-            reply, blocks = await self._dispatch(conn, op, meta, payload)
+            reply, blocks, fds = await self.handlers.handle(conn, op, meta, payload)
         except (ProtocolError, AuthFailed) as exc:
             self.errors += 1
             log.warning("connection %s: %s; closing it", conn.peer, exc)
-            await _send(loop, conn.sock, frame(op, req_id, error_meta(exc), status=STATUS_ERROR))
+            await self._send_error(loop, conn, op, req_id, exc)
             return False
         except KVStoreError as exc:  # bad input in a well-formed request: answer, keep going
-            await _send(loop, conn.sock, frame(op, req_id, error_meta(exc), status=STATUS_ERROR))
-            return True
-        await _send(loop, conn.sock, frame(op, req_id, reply, sum(b.nbytes for b in blocks)), blocks)
+            await self._send_error(loop, conn, op, req_id, exc)
+            # unless the body was left unread (the stream is out of step) or the
+            # peer is still unauthenticated (it had its one chance)
+            return body_read and conn.tenant is not None
+        finally:
+            if held_meta and ten is not None:
+                ten.give_buffer(held_meta)
+        try:
+            head = frame(op, req_id, reply, sum(b.nbytes for b in blocks))
+            async with asyncio.timeout(limits.request_timeout_s):
+                if fds:
+                    await send_with_fds(loop, conn.sock, head, fds)
+                else:
+                    await loop.sock_sendall(conn.sock, head)
+                for b in blocks:
+                    await loop.sock_sendall(conn.sock, b)
+        finally:
+            for fd in fds:
+                os.close(fd)
         return True
 
-    async def _dispatch(self, conn: _Conn, op: Op, meta: dict, payload: memoryview
-                        ) -> tuple[dict[str, Any], list[memoryview]]:
-        if op is Op.HELLO:
-            return self._hello(conn, meta), []
-        if op is Op.PUT:
-            return await self._put(conn, meta, payload), []
-        if op is Op.GET:
-            return await self._get(conn, meta)
-        ten = conn.tenant
-        assert ten is not None
-        if op is Op.PING:
-            return {"ok": True, "draining": self.draining, "uptime_s": self.clock() - self.started}, []
-        if op is Op.LOOKUP:
-            return await self._lookup(ten, meta), []
-        if op is Op.PREFETCH:
-            to = meta.get("to", 0)
-            if not isinstance(to, (str, int)):
-                raise KVStoreError("prefetch target must be a tier name or index")
-            return {"moved": await self.store.aprefetch(self._keys(ten, meta), to)}, []
-        if op is Op.PIN:
-            ttl = meta.get("ttl_s")
-            if not isinstance(ttl, (int, float)):
-                raise KVStoreError("pin needs a numeric ttl_s")
-            self.store.pin(self._keys(ten, meta), float(ttl))
-            return {}, []
-        if op is Op.UNPIN:
-            self.store.unpin(self._keys(ten, meta))
-            return {}, []
-        if op is Op.INVALIDATE:
-            dropped = await self.store.ainvalidate(self._identity(conn, meta))
-            await self._reconcile(ten)
-            return {"dropped": dropped}, []
-        if op is Op.STATS:
-            return self._stats(ten), []
-        if op is Op.METRICS:
-            return {"text": render_metrics(self)}, []
-        if op is Op.SHM_ATTACH:
-            return self._attach(conn, meta), []
-        raise ProtocolError(f"unknown opcode {int(op)}")
+    async def _send_error(self, loop: asyncio.AbstractEventLoop, conn: Conn, op: int, req_id: int,
+                          exc: KVStoreError) -> None:
+        async with asyncio.timeout(self.config.limits.request_timeout_s):
+            await loop.sock_sendall(conn.sock, frame(op, req_id, error_meta(exc), status=STATUS_ERROR))
 
-    # -- handlers --------------------------------------------------------------
-    def _hello(self, conn: _Conn, meta: dict) -> dict:
-        tenant = self.tenants.authenticate(meta.get("token"))
-        if tenant is None:
-            raise AuthFailed("unknown token")
-        conn.tenant = tenant
-        return {"tenant": tenant.name, "shm": conn.sock.family == socket.AF_UNIX}
-
-    def _keys(self, ten: Tenant, meta: dict) -> list:
-        keys = meta.get("keys")
-        if not isinstance(keys, list):
-            raise KVStoreError("request needs a list of keys")
-        return [ten.server_key(check_key(k)) for k in keys]
-
-    def _identity(self, conn: _Conn, meta: dict) -> CacheIdentity:
-        """The client's identity with the tenant's salt (cached per connection)."""
-        raw = meta.get("identity")
-        if not isinstance(raw, bytes):
-            raise KVStoreError("request needs an identity (JSON bytes)")
-        ident = conn.idents.get(raw)
-        if ident is None:
-            client = CacheIdentity.from_json(raw)
-            ident = client.replace(cache_salt=conn.tenant.salt(client.cache_salt))  # type: ignore[union-attr]
-            if len(conn.idents) >= _IDENTITY_CACHE:
-                conn.idents.clear()
-            conn.idents[raw] = ident
-        return ident
-
-    async def _lookup(self, ten: Tenant, meta: dict) -> dict:
-        # the store checks the hint (InvalidHint goes back to the client as a typed error)
-        probe = meta.get("probe", False)
-        if not isinstance(probe, bool):
-            raise KVStoreError("lookup's probe must be true or false")
-        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
-        if not probe:
-            ten.lookup_blocks += len(res.tiers)
-            ten.lookup_hit_blocks += res.prefix_blocks
-        return {"prefix": res.prefix_blocks, "tiers": res.tiers,
-                "reasons": [r.value if r is not None else None for r in res.reasons]}
-
-    def _views(self, conn: _Conn, meta: dict, n: int, nbytes: int, payload: memoryview | None
-               ) -> list[memoryview]:
-        if meta.get("shm"):
-            if conn.shm is None:
-                raise InvalidBlock("no shared memory attached (SHM_ATTACH first)")
-            if n * nbytes > conn.shm.nbytes:
-                raise InvalidBlock(f"{n} blocks of {nbytes} bytes exceed the shared segment")
-            base = memoryview(conn.shm)
-        else:
-            if payload is not None and payload.nbytes != n * nbytes:
-                raise InvalidBlock(f"payload is {payload.nbytes} bytes, expected {n} x {nbytes}")
-            base = payload if payload is not None else conn.buffer(n * nbytes)
-        return [base[i * nbytes:(i + 1) * nbytes] for i in range(n)]
-
-    async def _put(self, conn: _Conn, meta: dict, payload: memoryview) -> dict:
-        ten = conn.tenant
-        ident = self._identity(conn, meta)
-        keys = self._keys(ten, meta)
-        nbytes = BlockSpec.of(ident).nbytes
-        views = self._views(conn, meta, len(keys), nbytes, None if meta.get("shm") else payload)
-        out: list[PutOutcome] = [PutOutcome.NO_SPACE] * len(keys)
-        admit = await self._admit(ten, keys, nbytes)
-        reserved = len(admit) * nbytes
-        ten.pending_bytes += reserved
+    def buffer_for(self, conn: Conn, nbytes: int) -> memoryview:
+        """``conn``'s receive buffer of ``nbytes``; if the tenant's budget is
+        spent, the buffers of its idle connections are given back first."""
         try:
-            res = await self.store.aput(ident, [keys[i] for i in admit], [views[i] for i in admit])
-        finally:
-            ten.pending_bytes -= reserved
-        for i, r in zip(admit, res):
-            out[i] = r
-            if r in (PutOutcome.STORED, PutOutcome.EXISTS):
-                ten.hold(keys[i], nbytes)
-        ten.no_space += sum(o is PutOutcome.NO_SPACE for o in out)
-        return {"outcomes": [o.value for o in out]}
+            return conn.buffer(nbytes, self.config.limits)
+        except Overloaded:
+            self._reclaim_idle(conn.tenant)
+            return conn.buffer(nbytes, self.config.limits)
 
-    async def _admit(self, ten: Tenant, keys: list, nbytes: int) -> list[int]:
-        """Indexes of the keys this put may store under the tenant's quota
-        (keys it already holds are free; the rest in order while they fit)."""
-        if not ten.quota_bytes:
-            return list(range(len(keys)))
-        new = [i for i, k in enumerate(keys) if k not in ten.held]
-        if ten.used_bytes + ten.pending_bytes + len(new) * nbytes > ten.quota_bytes:
-            await self._reconcile(ten)  # evictions may have freed some of its share
-        room = max(0, ten.quota_bytes - ten.used_bytes - ten.pending_bytes) // nbytes
-        refused = set(new[room:])
-        return [i for i in range(len(keys)) if i not in refused]
-
-    async def _reconcile(self, ten: Tenant) -> None:
-        """Forget held blocks no tier holds any more (evicted, invalidated).
-        O(blocks held) per call; runs only when a tenant reaches its quota."""
-        todo = list(ten.held)
-        for tier in self.store.tiers:
-            if not todo:
-                break
-            found = await tier.contains_many(todo)
-            todo = [k for k, f in zip(todo, found) if not f]
-        for k in todo:
-            ten.release(k)
-
-    async def _get(self, conn: _Conn, meta: dict) -> tuple[dict, list[memoryview]]:
-        ten = conn.tenant
-        ident = self._identity(conn, meta)
-        keys = self._keys(ten, meta)
-        nbytes = BlockSpec.of(ident).nbytes
-        views = self._views(conn, meta, len(keys), nbytes, None)
-        res = await self.store.aget_into(ident, keys, views)
-        hits = [r is None for r in res]
-        ten.hits += sum(hits)
-        for r in res:
-            if r is not None:
-                ten.misses[r.value] += 1
-        reply = {"reasons": [None if r is None else r.value for r in res]}
-        if meta.get("shm"):
-            return reply, []
-        return reply, [v for v, h in zip(views, hits) if h]
-
-    def _stats(self, ten: Tenant) -> dict:
-        snap = self.store.snapshot()
-        snap.pop("tenants", None)  # the store's rows are per salt; show this tenant's own
-        hits, misses = ten.hits, sum(ten.misses.values())
-        snap["tenant"] = {"name": ten.name, "hits": hits, "misses": dict(ten.misses),
-                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                          "used_bytes": ten.used_bytes, "quota_bytes": ten.quota_bytes,
-                          "no_space": ten.no_space}
-        return json.loads(json.dumps(snap, default=str))  # plain types for msgpack
-
-    def _attach(self, conn: _Conn, meta: dict) -> dict:
-        """Map the client's /dev/shm segment (Unix-socket clients only).
-
-        Why a name and not SCM_RIGHTS: the fd would have to ride on a frame the
-        daemon reads with recvmsg, which asyncio's sock_recv_into cannot do;
-        the name is random, validated, opened O_NOFOLLOW, and the client unlinks
-        it as soon as the daemon has mapped it."""
-        name, size = meta.get("name"), meta.get("size")
-        if conn.sock.family != socket.AF_UNIX:
-            raise KVStoreError("shared memory needs a Unix-socket connection")
-        if not isinstance(name, str) or not SHM_NAME.match(name) or not isinstance(size, int) or size < 1:
-            raise KVStoreError("bad shared-memory segment name or size")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise KVStoreError("shared-memory segment size mismatch")
-            mapped = populated_mmap(fd, size)
-        finally:
-            os.close(fd)
-        conn.drop_shm()
-        conn.shm_map = mapped
-        conn.shm = np.frombuffer(mapped, dtype=np.uint8)
-        return {}
+    def _reclaim_idle(self, tenant: Tenant | None) -> None:
+        for other in self._conns.values():
+            if other.tenant is tenant and not other.busy:
+                other.drop_scratch()
 
     # -- shutdown ------------------------------------------------------------------
     async def _close_listeners(self) -> None:
@@ -448,16 +350,13 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
-        ledger = ledger_path(self.config.store)
-        if ledger:
-            try:
-                save_ledger(ledger, self.tenants.by_name)
-            except OSError as exc:   # the blocks are safe; only the quota counts restart from zero
-                log.warning("could not write the tenant ledger %s: %s", ledger, exc)
+        if self._spare_fd >= 0:
+            os.close(self._spare_fd)
+            self._spare_fd = -1
         log.info("kvstore daemon drained")
 
 
-# -- socket helpers ------------------------------------------------------------------
+# -- helpers ------------------------------------------------------------------------
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
                      eof_ok: bool = False) -> bool:
     """Fill ``view`` completely. False on a clean EOF before the first byte
@@ -473,29 +372,72 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
     return True
 
 
-async def _send(loop: asyncio.AbstractEventLoop, sock: socket.socket, head: bytes,
-                blocks: list[memoryview] = ()) -> None:
-    await loop.sock_sendall(sock, head)
-    for b in blocks:
-        await loop.sock_sendall(sock, b)
-
-
-def _unix_listener(path: str) -> socket.socket:
-    """Bind ``path``, replacing a stale socket file but never a live daemon's."""
-    if os.path.exists(path):
+def _unix_listener(path: str, mode: int) -> socket.socket:
+    """Bind ``path`` with ``mode``, replacing a stale socket of a crashed daemon
+    but never a live daemon's, nor anything that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise KVStoreError(f"--unix {path}: exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except OSError:
             os.unlink(path)  # nobody listens: a stale file from a crashed daemon
         else:
-            raise KVStoreError(f"another daemon is serving on {path}")
+            raise KVStoreError(f"--unix {path}: another daemon is serving there")
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    sock.listen(256)
+    try:
+        sock.bind(path)
+        os.chmod(path, mode)   # before listen: no one can connect in between
+        sock.listen(256)
+    except OSError as exc:
+        sock.close()
+        raise KVStoreError(f"--unix {path}: {exc.strerror or exc}") from exc
     return sock
+
+
+def _spare() -> int:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft descriptor limit to the hard one: every NVMe segment and
+    every connection holds a descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                        else max(soft, 1 << 20), hard))
+
+
+def _connection_limit(config: DaemonConfig) -> int:
+    """``max_connections`` if configured, else what the descriptor limit leaves
+    after the NVMe tier's segments and a reserve (at most 1024)."""
+    if config.max_connections is not None:
+        return config.max_connections
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    store = config.store
+    segments = 0
+    if store.nvme_bytes:
+        seg = max(4096, min(store.nvme_segment_bytes, store.nvme_bytes // 4))
+        segments = store.nvme_bytes // seg + 2
+    return max(16, min(1024, soft - _open_fds() - segments - _FD_RESERVE))
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 32
 
 
 # -- entry point ------------------------------------------------------------------------

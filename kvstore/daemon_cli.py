@@ -36,10 +36,14 @@ def serve_command(config_path, unix_path, tcp_port, tcp_host, metrics_port, dram
     try:
         data: dict = {}
         if config_path:
-            import json  # noqa: PLC0415
-            with open(config_path, encoding="utf-8") as f:
-                data = json.load(f)
-        store = dict(data.get("store", {}))
+            from kvstore.config import read_config_file  # noqa: PLC0415
+            data = read_config_file(config_path, "daemon config")
+            if not isinstance(data, dict):
+                raise KVStoreError(f"{config_path}: a daemon config is a JSON object")
+        store = data.get("store", {})
+        if not isinstance(store, dict):
+            raise KVStoreError(f"{config_path}: store must be an object")
+        store = dict(store)
         for k, v in (("dram_bytes", dram_bytes), ("nvme_bytes", nvme_bytes), ("nvme_path", nvme_path),
                      ("redis_url", redis_url)):
             if v is not None:

@@ -1,74 +1,103 @@
-"""Daemon configuration and tenancy: who may connect, and which namespace
-(and how many bytes) each tenant gets.
+"""Daemon configuration: listeners, tenants (who may connect, with which
+token, quota and rights), the re-keying secret and the bounds on peers.
 
-Tenancy is enforced by the daemon, not by clients: every key a client sends
-is re-keyed server-side as ``blake2b(client_key, key=tenant_secret)`` (same
-length), and the identity's ``cache_salt`` is rewritten to
-``"tenant:<name>/<client salt>"``. Two tenants sending the same token ids
-therefore address different blocks, and a tenant cannot name a block of
-another tenant at all (it would need the other tenant's secret), so lookups
-cannot probe either. Rejected: trusting the client's ``cache_salt`` (any
-client could claim another tenant's salt), and salting the identity only
-(keys are computed client-side, so a lookup by key would still find another
-tenant's block).
-
-The tenant secret derives from the tenant name and the daemon's
-``key_secret``, so it survives a restart and the NVMe tier's blocks stay
-reachable by the same tenant.
+Tenancy itself (re-keying, namespaces, quotas) is :mod:`kvstore.daemon_tenants`.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import json
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, read_config_file
+from kvstore.daemon_limits import DaemonLimits
 from kvstore.errors import ConfigError
-from kvstore.keys import BlockKey
 from kvstore.units import parse_size
 
 ANONYMOUS = "default"   # the tenant of every client when no tenants are configured
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class TenantSpec:
+    """One tenant. ``admin``: may read the whole store's stats and metrics
+    (other tenants appear as opaque labels); a plain tenant sees only its own.
+    ``uids``: if given, only Unix-socket peers running as one of these uids
+    (SO_PEERCRED) may authenticate as this tenant, token or not."""
+
     name: str
     token: str
     quota_bytes: int = 0            # 0: no quota (the tiers' capacity bounds it)
+    admin: bool = False
+    uids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise ConfigError(f"tenant name must be a non-empty string without '/', got {self.name!r}")
+        if not isinstance(self.name, str) or not self.name or "/" in self.name or len(self.name) > 128:
+            raise ConfigError(f"tenant name must be a non-empty string of at most 128 characters "
+                              f"without '/', got {repr(self.name)[:60]}")
         if not isinstance(self.token, str) or len(self.token) < 8:
             raise ConfigError(f"tenant {self.name}: token must be a string of at least 8 characters")
-        if not isinstance(self.quota_bytes, int) or isinstance(self.quota_bytes, bool) \
-                or self.quota_bytes < 0:
+        if not _is_int(self.quota_bytes) or self.quota_bytes < 0:
             raise ConfigError(f"tenant {self.name}: quota_bytes must be a non-negative int")
+        if not isinstance(self.admin, bool):
+            raise ConfigError(f"tenant {self.name}: admin must be true or false")
+        if not isinstance(self.uids, tuple) or not all(_is_int(u) and u >= 0 for u in self.uids):
+            raise ConfigError(f"tenant {self.name}: uids must be a list of user ids")
+
+    @classmethod
+    def from_dict(cls, data: object) -> TenantSpec:
+        if not isinstance(data, Mapping):
+            raise ConfigError("each tenant must be an object with name and token")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown tenant field(s): {', '.join(unknown)}")
+        if "name" not in data or "token" not in data:
+            raise ConfigError("a tenant needs a name and a token")
+        values = dict(data)
+        if "quota_bytes" in values:
+            values["quota_bytes"] = parse_size(values["quota_bytes"])
+        if "uids" in values:
+            if not isinstance(values["uids"], (list, tuple)):
+                raise ConfigError(f"tenant {values['name']!r}: uids must be a list of user ids")
+            values["uids"] = tuple(values["uids"])
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
 class DaemonConfig:
     """``kvstore serve``'s configuration. At least one of ``unix_path`` and
     ``tcp_port`` is required. With no ``tenants`` every client is the
-    anonymous tenant ``default`` (a single-user host); with tenants, a client
-    must present one of their tokens."""
+    anonymous tenant ``default`` (a single-user host: it is an admin); with
+    tenants, a client must present one of their tokens.
+
+    ``key_secret``: the secret every tenant's re-keying derives from. Empty:
+    a random one is made at first start and kept in ``state_dir`` (mode
+    0600), which defaults to the NVMe directory; with no state directory at
+    all the secret lives only as long as the process (fine for DRAM alone;
+    set one when Redis outlives the daemon, and the same one on every host
+    that shares a Redis).
+    """
 
     store: StoreConfig
     unix_path: str | None = None
+    unix_mode: int = 0o600                  # who may connect to the socket: the daemon's user only
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None             # 0 picks a free port (tests)
-    metrics_port: int | None = None         # HTTP /metrics and /health on tcp_host; 0 picks one
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None         # HTTP /metrics and /health; 0 picks one
+    metrics_tenant_names: bool = False      # False: tenants appear in /metrics as opaque labels
     tenants: tuple[TenantSpec, ...] = ()
-    key_secret: str = ""                    # mixed into every tenant secret
-    max_payload_bytes: int = 1 << 30
-    max_connections: int = 1024
+    key_secret: str = ""                    # see the class docstring
+    state_dir: str | None = None            # default: store.nvme_path
+    max_connections: int | None = None      # all connections; None: what the descriptor limit allows
     drain_timeout_s: float = 30.0
     socket_buffer_bytes: int = 4 << 20      # SO_SNDBUF / SO_RCVBUF: fewer wakeups per 2 MiB block
+    limits: DaemonLimits = DaemonLimits()
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, StoreConfig):
@@ -76,50 +105,73 @@ class DaemonConfig:
         if self.store.daemon_url:
             raise ConfigError("the daemon's own store cannot point at a daemon (daemon_url)")
         if not self.unix_path and self.tcp_port is None:
-            raise ConfigError("give unix_path and/or tcp_port")
+            raise ConfigError("give a Unix socket (--unix PATH, unix_path) and/or a TCP port "
+                              "(--tcp-port P, tcp_port)")
+        for name in ("unix_path", "state_dir"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"{name} must be a non-empty path, got {v!r}")
+        if not _is_int(self.unix_mode) or not 0 <= self.unix_mode <= 0o777:
+            raise ConfigError(f"unix_mode must be a file mode like 0o600, got {self.unix_mode!r}")
         for name in ("tcp_port", "metrics_port"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 65536):
+            if v is not None and (not _is_int(v) or not 0 <= v < 65536):
                 raise ConfigError(f"{name} must be a port number, got {v!r}")
+        for name in ("tcp_host", "metrics_host", "key_secret"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string")
+        if self.key_secret and len(self.key_secret) < 16:
+            raise ConfigError("key_secret must be at least 16 characters (or empty: a random one is made)")
+        if not isinstance(self.metrics_tenant_names, bool):
+            raise ConfigError("metrics_tenant_names must be true or false")
         if not isinstance(self.tenants, tuple) or not all(isinstance(t, TenantSpec) for t in self.tenants):
             raise ConfigError("tenants must be a tuple of TenantSpec")
         names = [t.name for t in self.tenants]
         tokens = [t.token for t in self.tenants]
         if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
             raise ConfigError("tenant names and tokens must be unique")
-        for name in ("max_payload_bytes", "max_connections", "socket_buffer_bytes"):
+        for name in ("max_connections", "socket_buffer_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not (v is None and name == "max_connections") and (not _is_int(v) or v < 1):
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(self.drain_timeout_s, (int, float)) or self.drain_timeout_s < 0:
+        if isinstance(self.drain_timeout_s, bool) or not isinstance(self.drain_timeout_s, (int, float)) \
+                or not 0 <= self.drain_timeout_s < float("inf"):
             raise ConfigError("drain_timeout_s must be a non-negative number")
+        if not isinstance(self.limits, DaemonLimits):
+            raise ConfigError("limits must be a DaemonLimits")
+
+    @property
+    def state_path(self) -> str | None:
+        """Where the daemon keeps its secret: ``state_dir``, else the NVMe directory."""
+        if self.state_dir:
+            return self.state_dir
+        return self.store.nvme_path if self.store.nvme_path and self.store.nvme_bytes else None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DaemonConfig:
         """From a JSON-style dict: ``store`` is a StoreConfig dict, ``tenants``
-        a list of ``{"name", "token", "quota_bytes"}`` (sizes may be "8GiB")."""
+        a list of ``{"name", "token", "quota_bytes", "admin", "uids"}`` (sizes
+        may be "8GiB"), ``limits`` a DaemonLimits dict. Every error is a
+        ConfigError."""
         if not isinstance(data, Mapping):
             raise ConfigError("daemon config must be an object")
         values = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(str(k) for k in set(values) - known)
         if unknown:
             raise ConfigError(f"unknown daemon config field(s): {', '.join(unknown)}")
         values["store"] = StoreConfig.from_dict(values.get("store", {}))
-        tenants = []
-        for t in values.get("tenants", ()) or ():
-            if not isinstance(t, Mapping):
-                raise ConfigError("each tenant must be an object")
-            t = dict(t)
-            if "quota_bytes" in t:
-                t["quota_bytes"] = parse_size(t["quota_bytes"])
+        tenants = values.get("tenants", ()) or ()
+        if not isinstance(tenants, (list, tuple)):
+            raise ConfigError("tenants must be a list of objects")
+        values["tenants"] = tuple(TenantSpec.from_dict(t) for t in tenants)
+        values["limits"] = DaemonLimits.from_dict(values.get("limits", {}) or {})
+        if isinstance(values.get("unix_mode"), str):
             try:
-                tenants.append(TenantSpec(**t))
-            except TypeError as exc:
-                raise ConfigError(f"tenant: {exc}") from exc
-        values["tenants"] = tuple(tenants)
-        if "max_payload_bytes" in values:
-            values["max_payload_bytes"] = parse_size(values["max_payload_bytes"])
+                values["unix_mode"] = int(values["unix_mode"], 8)
+            except ValueError:
+                raise ConfigError(f"unix_mode must be an octal mode like \"0660\", "
+                                  f"got {values['unix_mode']!r}") from None
         try:
             return cls(**values)
         except TypeError as exc:
@@ -127,65 +179,4 @@ class DaemonConfig:
 
     @classmethod
     def from_file(cls, path: str) -> DaemonConfig:
-        try:
-            with open(path, encoding="utf-8") as f:
-                return cls.from_dict(json.load(f))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read daemon config {path}: {exc}") from exc
-
-
-@dataclass(slots=True)
-class Tenant:
-    """A tenant's live state on the daemon's loop: its key secret, the blocks
-    it holds (for the quota) and its counters. Not thread-safe: loop only."""
-
-    name: str
-    quota_bytes: int
-    secret: bytes
-    held: dict[BlockKey, int] = field(default_factory=dict)   # server key -> bytes
-    used_bytes: int = 0
-    pending_bytes: int = 0                                    # puts in flight
-    hits: int = 0
-    misses: Counter = field(default_factory=Counter)          # MissReason value -> count
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
-    no_space: int = 0
-
-    def server_key(self, key: bytes) -> BlockKey:
-        return BlockKey(hashlib.blake2b(key, key=self.secret, digest_size=len(key)).digest())
-
-    def salt(self, client_salt: str) -> str:
-        return f"tenant:{self.name}/{client_salt}"
-
-    def hold(self, key: BlockKey, nbytes: int) -> None:
-        if key not in self.held:
-            self.held[key] = nbytes
-            self.used_bytes += nbytes
-
-    def release(self, key: BlockKey) -> None:
-        n = self.held.pop(key, None)
-        if n is not None:
-            self.used_bytes -= n
-
-
-class TenantTable:
-    """Token -> tenant, with constant-time token comparison."""
-
-    def __init__(self, config: DaemonConfig) -> None:
-        base = hashlib.blake2b(config.key_secret.encode(), digest_size=32, person=b"kvstore-daemon").digest()
-        specs = config.tenants or (TenantSpec(ANONYMOUS, "anonymous-tenant", 0),)
-        self.anonymous = not config.tenants
-        self._tokens = [(s.token.encode(), s.name) for s in specs]
-        self.by_name = {s.name: Tenant(s.name, s.quota_bytes, hashlib.blake2b(
-            s.name.encode(), key=base, digest_size=32).digest()) for s in specs}
-
-    def authenticate(self, token: str | None) -> Tenant | None:
-        if self.anonymous:
-            return self.by_name[ANONYMOUS]
-        if not isinstance(token, str):
-            return None
-        found = None
-        for tok, name in self._tokens:  # compare with all: no early exit to time
-            if hmac.compare_digest(tok, token.encode()):
-                found = name
-        return self.by_name[found] if found else None
+        return cls.from_dict(read_config_file(path, "daemon config"))

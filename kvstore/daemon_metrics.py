@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.outcomes import MissReason
 
 if TYPE_CHECKING:
     from kvstore.daemon import Daemon
+    from kvstore.daemon_tenants import Tenant
 
 
 def _esc(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render_metrics(daemon: Daemon) -> str:
-    """Prometheus exposition of the store's and the tenants' counters."""
-    snap = daemon.store.snapshot()
+def render_metrics(daemon: Daemon, tenant: Tenant | None = None) -> str:
+    """Prometheus exposition. ``tenant`` None: the whole store's counters and
+    every tenant's rows (an admin, and the HTTP endpoint); a tenant: its own
+    rows only (what the METRICS op answers a plain tenant). Tenants are
+    labelled opaquely unless ``metrics_tenant_names`` is set."""
     out: list[str] = []
 
     def family(name: str, kind: str, help_: str, rows: list[tuple[dict[str, str], float]]) -> None:
@@ -33,8 +37,35 @@ def render_metrics(daemon: Daemon) -> str:
             lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
             out.append(f"kvstore_{name}{{{lab}}} {value}" if lab else f"kvstore_{name} {value}")
 
+    if tenant is None:
+        _store_families(family, daemon)
+        tenants = list(daemon.tenants.by_name.values())
+    else:
+        tenants = [tenant]
+
+    def label(t: Tenant) -> dict[str, str]:
+        return {"tenant": t.name if tenant is not None else daemon.tenant_label(t)}
+    family("tenant_hits_total", "counter", "Blocks served per tenant.", [(label(t), t.hits) for t in tenants])
+    family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
+           [({**label(t), "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
+    family("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).",
+           [(label(t), t.used_bytes) for t in tenants])
+    family("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).",
+           [(label(t), t.quota_bytes) for t in tenants])
+    family("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.",
+           [(label(t), t.no_space) for t in tenants])
+    family("tenant_connections", "gauge", "Open connections per tenant.",
+           [(label(t), t.connections) for t in tenants])
+    family("tenant_buffer_bytes", "gauge", "Request buffers and shared memory held per tenant.",
+           [(label(t), t.buffer_bytes) for t in tenants])
+    family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
+           [(label(t), len(t.pins)) for t in tenants])
+    return "\n".join(out) + "\n"
+
+
+def _store_families(family: Callable, daemon: Daemon) -> None:
+    snap = daemon.store.snapshot()
     tiers = snap["tiers"]
-    tenants = daemon.tenants.by_name.values()
     family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
     family("misses_total", "counter", "Blocks missed by get, by reason.",
            [({"reason": r.value}, snap["misses"][r.value]) for r in MissReason])
@@ -52,23 +83,15 @@ def render_metrics(daemon: Daemon) -> str:
                              ("capacity_bytes", "gauge", "The tier's capacity.")):
         name = f"tier_{key}" + ("_total" if kind == "counter" else "")
         family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
-    family("tenant_hits_total", "counter", "Blocks served per tenant.",
-           [({"tenant": t.name}, t.hits) for t in tenants])
-    family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
-           [({"tenant": t.name, "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
-    family("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).",
-           [({"tenant": t.name}, t.used_bytes) for t in tenants])
-    family("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).",
-           [({"tenant": t.name}, t.quota_bytes) for t in tenants])
-    family("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.",
-           [({"tenant": t.name}, t.no_space) for t in tenants])
     family("requests_total", "counter", "Requests served, by opcode.",
            [({"op": op}, n) for op, n in daemon.requests.items()])
     family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
            [({}, daemon.errors)])
     family("connections", "gauge", "Open client connections.", [({}, len(daemon._conns))])
+    family("preauth_connections", "gauge", "Connections not authenticated yet.", [({}, daemon.preauth)])
     family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
-    return "\n".join(out) + "\n"
+    family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
+           [({}, int(daemon.health()[0]))])
 
 
 class MetricsServer:
@@ -98,8 +121,8 @@ class MetricsServer:
             if path.split("?")[0] == "/metrics":
                 status, body = "200 OK", render_metrics(self.daemon)
             elif path == "/health":
-                status, body = (("503 Service Unavailable", "draining\n") if self.daemon.draining
-                                else ("200 OK", "ok\n"))
+                ok, text = self.daemon.health()
+                status, body = ("200 OK" if ok else "503 Service Unavailable"), text + "\n"
             else:
                 status, body = "404 Not Found", "not found\n"
             data = body.encode()

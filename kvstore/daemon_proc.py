@@ -44,7 +44,9 @@ class DaemonProc:
             sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
         self.url = f"unix://{sock}"
         self.config = {"store": {"nvme_path": str(root / "nvme"), **(store or {})},
-                       "unix_path": str(sock), "tenants": [{"name": tenant, "token": token}]}
+                       "unix_path": str(sock),
+                       # admin: the harness reads the whole store's counters (tier hits, ...)
+                       "tenants": [{"name": tenant, "token": token, "admin": True}]}
         self.config_path = root / "daemon.json"
         self.config_path.write_text(json.dumps(self.config))
         self.proc: subprocess.Popen | None = None

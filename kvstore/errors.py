@@ -40,7 +40,22 @@ class CorruptRecord(KVStoreError):
 
 
 class TierUnavailable(KVStoreError):
-    """A tier's backend (a Redis server, a device) cannot be reached."""
+    """A tier's backend (a Redis server, a device, the daemon) cannot be reached."""
+
+
+class Overloaded(TierUnavailable):
+    """The daemon refused a request under its bounds (a tenant's connections,
+    buffered bytes or pins): retry later, or with smaller requests. A
+    TierUnavailable, so the connectors read it as misses."""
+
+
+class AuthFailed(KVStoreError):
+    """The daemon refused the client's token (or the client sent none)."""
+
+
+class ProtocolError(KVStoreError):
+    """A frame broke the wire format: bad magic or version, oversize or
+    truncated metadata or payload, an unknown opcode. The connection closes."""
 
 
 class MissingDependency(KVStoreError, ImportError):

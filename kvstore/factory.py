@@ -60,10 +60,19 @@ def build_placement(cfg: StoreConfig, tiers: list):
     return None  # the store's default: put high, demote on eviction, promote on hit
 
 
+def durable_tier(cfg: StoreConfig, tiers: list) -> int | None:
+    """The tier whose writes are durable when acknowledged: NVMe under
+    ``nvme_durability="fsync"`` (every put is then written through to it and
+    acknowledged only once it is on disk); None otherwise."""
+    if cfg.nvme_durability != "fsync":
+        return None
+    return next((i for i, t in enumerate(tiers) if t.name == "nvme"), None)
+
+
 async def build_store(cfg: StoreConfig) -> TieredStore:
     tiers = await build_tiers(cfg)
     return TieredStore(tiers, placement=build_placement(cfg, tiers),
-                       max_prefetch=cfg.max_prefetch)
+                       max_prefetch=cfg.max_prefetch, durable_tier=durable_tier(cfg, tiers))
 
 
 def open_store(cfg: StoreConfig) -> KVStore:

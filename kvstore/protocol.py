@@ -26,57 +26,52 @@ This module is pure: framing, limits and error mapping, no sockets.
 from __future__ import annotations
 
 
-import contextlib
 import enum
-import mmap
+import math
 import struct
 from typing import Any
 
 import msgpack
 
 from kvstore import errors
-from kvstore.errors import KVStoreError
+from kvstore.errors import AuthFailed, KVStoreError, ProtocolError
+
+__all__ = ["AuthFailed", "ProtocolError"]   # re-exported: they live in kvstore.errors
 
 MAGIC = b"KVSD"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = HEADER.size          # 28
-MAX_META_BYTES = 1 << 20           # a lookup of 16K 32-byte keys fits with room to spare
-MAX_PAYLOAD_BYTES = 1 << 31        # one request; the daemon may set a lower limit
+MAX_KEYS = 1 << 16                 # keys per request: 1M tokens of 16-token blocks
+MAX_META_BYTES = 4 << 20           # MAX_KEYS 32-byte keys (2.2 MB), or their lookup reply, with room
+PREAUTH_META_BYTES = 4096          # a HELLO: nothing bigger is read from a peer with no tenant yet
+MAX_IDENTITY_BYTES = 16 << 10      # an identity's JSON
+MAX_PAYLOAD_BYTES = 1 << 31        # one request; the daemon sets a lower limit
 
 STATUS_OK = 0
 STATUS_ERROR = 1
 
 
 class Op(enum.IntEnum):
-    HELLO = 1         # {"token"} -> {"tenant", "shm"}: must be the first frame
+    HELLO = 1         # {"token"} -> {"tenant", "shm", "limits"}: must be the first frame
     PING = 2          # health: {} -> {"ok", "draining", "uptime_s"}
     LOOKUP = 3        # {"keys", [followup: float in [0, 1]], [probe: bool]} -> {"prefix", "tiers", "reasons"}
     PUT = 4           # {"identity", "keys", [shm]} + payload -> {"outcomes"}
-    GET = 5           # {"identity", "keys", [shm]} -> {"hits": [bool]} + hit payloads
+    GET = 5           # {"identity", "keys", [shm]} -> {"reasons"} + hit payloads
     PREFETCH = 6      # {"keys", "to"} -> {"moved"} (replies when the prefetch ends)
-    PIN = 7           # {"keys", "ttl_s"} -> {}
+    PIN = 7           # {"keys", "ttl_s"} -> {"ttl_s": the TTL granted (capped)}
     UNPIN = 8         # {"keys"} -> {}
     INVALIDATE = 9    # {"identity"} -> {"dropped"}
-    STATS = 10        # {} -> the store snapshot (this tenant's rows only)
-    METRICS = 11      # {} -> {"text": Prometheus exposition}
-    SHM_ATTACH = 12   # {"name", "size"} -> {}: bulk bytes via shared memory from now on
-
-
-class AuthFailed(KVStoreError):
-    """The daemon refused the client's token (or the client sent none)."""
-
-
-class ProtocolError(KVStoreError):
-    """A frame broke the wire format: bad magic or version, oversize or
-    truncated metadata or payload, an unknown opcode. The connection closes."""
+    STATS = 10        # {} -> {"tenant": this tenant's row} (+ the store snapshot for an admin)
+    METRICS = 11      # {} -> {"text": Prometheus exposition of this tenant (all, for an admin)}
+    SHM_ATTACH = 12   # {"size"} -> {"size"} + the segment's fd (SCM_RIGHTS): bulk bytes through it
 
 
 # the only error classes a reply may name; anything else becomes KVStoreError
 _ERRORS: dict[str, type[KVStoreError]] = {
     c.__name__: c for c in (KVStoreError, errors.ConfigError, errors.InvalidKey, errors.InvalidBlock,
                             errors.InvalidHint, errors.LayoutMismatch, errors.TierUnavailable,
-                            AuthFailed, ProtocolError)
+                            errors.Overloaded, AuthFailed, ProtocolError)
 }
 
 
@@ -155,17 +150,41 @@ def parse_url(url: str) -> tuple[str, str | tuple[str, int]]:
     raise errors.ConfigError(f"daemon url must start with unix:// or tcp://, got {url!r}")
 
 
-def populated_mmap(fd: int, size: int) -> mmap.mmap:
-    """A shared mapping with its pages allocated and mapped now (MAP_POPULATE,
-    one kernel call), not faulted in one 4 KiB page at a time while a load
-    waits on them: first-touch faults cost more than the copy itself."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags)
+# -- request fields ---------------------------------------------------------------
+# A request's metadata is whatever msgpack a peer sent: every field is checked
+# here, with a typed error naming it, before anything acts on it.
+
+def keys_field(meta: dict[str, Any], max_keys: int = MAX_KEYS) -> list[bytes]:
+    """The request's ``keys``: a list of at most ``max_keys`` byte strings (each
+    one is then checked as a block key by the caller)."""
+    keys = meta.get("keys")
+    if not isinstance(keys, list):
+        raise errors.InvalidKey("the request needs keys: a list of 16- or 32-byte strings")
+    if len(keys) > max_keys:
+        raise errors.InvalidKey(f"{len(keys)} keys in one request; at most {max_keys} "
+                                "(split it: the client does)")
+    return keys
 
 
-def unmap(mapped: mmap.mmap | None) -> None:
-    """Close a shared mapping; if a view of it is still alive (BufferError),
-    leave it to the garbage collector rather than fail the caller."""
-    if mapped is not None:
-        with contextlib.suppress(BufferError):
-            mapped.close()
+def bool_field(meta: dict[str, Any], name: str) -> bool:
+    value = meta.get(name, False)
+    if not isinstance(value, bool):
+        raise KVStoreError(f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def number_field(meta: dict[str, Any], name: str) -> float:
+    """A finite number (int or float, not bool)."""
+    value = meta.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise KVStoreError(f"{name} must be a finite number, got {value!r}"[:200])
+    return float(value)
+
+
+def bytes_field(meta: dict[str, Any], name: str, max_bytes: int) -> bytes:
+    value = meta.get(name)
+    if not isinstance(value, bytes):
+        raise KVStoreError(f"the request needs {name} (bytes)")
+    if len(value) > max_bytes:
+        raise KVStoreError(f"{name} of {len(value)} bytes exceeds {max_bytes}")
+    return value

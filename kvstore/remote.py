@@ -12,7 +12,12 @@ and an engine worker thread has no loop to offer anyway.
 Bulk bytes: a PUT sends the caller's blocks as memoryviews with one
 ``sendmsg`` (no join); a GET receives each hit straight into its destination
 with ``recv_into``. Over a Unix socket (``shm=True``) the bytes go through a
-shared-memory segment instead: one memcpy here, one in the daemon.
+shared-memory segment instead: one memcpy here, one in the daemon. The
+daemon makes the segment and passes its descriptor (:mod:`kvstore.shm`); if
+it refuses one (the tenant's buffer budget), the connection goes on over
+the socket. Requests larger than the daemon's limits (bytes, keys) are
+split; a lookup split in parts counts as one request (the later parts are
+probes).
 
 Errors: the daemon unreachable (down, restarting, a dead connection, a
 timeout) raises :class:`TierUnavailable`, which the connectors' StoreGuard
@@ -28,7 +33,6 @@ import functools
 import json
 import mmap
 import os
-import secrets
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -38,31 +42,29 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, InvalidBlock, KVStoreError, TierUnavailable
+from kvstore.errors import AuthFailed, ConfigError, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
 from kvstore.protocol import (
     HEADER_SIZE,
+    MAX_KEYS,
+    MAX_META_BYTES,
     STATUS_ERROR,
-    AuthFailed,
     Op,
-    ProtocolError,
     frame,
     parse_url,
-    populated_mmap,
     raise_error,
-    unmap,
     unpack_header,
     unpack_meta,
 )
 from kvstore.record import BlockSpec
+from kvstore.shm import is_sealed, populated_mmap, recv_exact_with_fds, unmap
 from kvstore.store import LookupResult
 from kvstore.tiers.base import check_batch
 
 T = TypeVar("T")
-SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +119,24 @@ class _Connection:
             raise
         self.tenant: str = hello.get("tenant", "")
         self.shm_ok = bool(cfg.shm and hello.get("shm"))
+        limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
+        self.shm_max = _positive(limits.get("shm_segment_bytes"), cfg.max_batch_bytes)
 
     def call(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
-             on_payload: Callable[[dict, int], None] | None = None) -> dict[str, Any]:
+             on_payload: Callable[[dict, int], None] | None = None,
+             fds: list[int] | None = None) -> dict[str, Any]:
         """Send one request, wait for its reply; ``on_payload(meta, n)`` must
-        consume the reply's ``n`` payload bytes from ``self.sock``."""
+        consume the reply's ``n`` payload bytes from ``self.sock``. ``fds``
+        receives the descriptors the reply carries (SHM_ATTACH)."""
         self._req += 1
         total = sum(v.nbytes for v in payload)
         _sendmsg_all(self.sock, [memoryview(frame(op, self._req, meta, total)), *payload])
-        _recv_exact(self.sock, memoryview(self._header))
-        r_op, status, r_id, meta_len, payload_len = unpack_header(self._header)
+        if fds is None:
+            _recv_exact(self.sock, memoryview(self._header))
+        else:
+            fds.extend(recv_exact_with_fds(self.sock, memoryview(self._header)))
+        # the daemon is trusted: its replies may be larger than a request may
+        r_op, status, r_id, meta_len, payload_len = unpack_header(self._header, max_meta=4 * MAX_META_BYTES)
         if r_id != self._req and status != STATUS_ERROR:
             raise ProtocolError(f"reply {r_id} to request {self._req}")
         body = bytearray(meta_len)
@@ -140,24 +150,35 @@ class _Connection:
             on_payload(reply, payload_len)
         return reply
 
-    def shared(self, nbytes: int) -> np.ndarray:
-        """A shared segment of at least ``nbytes``, attached to the daemon."""
+    def shared(self, nbytes: int) -> np.ndarray | None:
+        """A shared segment of at least ``nbytes`` from the daemon, or None (a
+        request this large, or a daemon that refuses one: use the socket)."""
+        if not self.shm_ok:
+            return None
         if self.shm is not None and self.shm.nbytes >= nbytes:
             return self.shm
+        if nbytes > self.shm_max:
+            return None
         # the first segment already holds the largest batch one call sends, so a
         # connection grows at most once more (a single huge block)
-        size = max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0), self.cfg.max_batch_bytes)
-        name = "kvstore-shm-" + secrets.token_hex(16)
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mapped = populated_mmap(fd, size)
-            self.call(Op.SHM_ATTACH, {"name": name, "size": size})
-        finally:
-            os.close(fd)
-            os.unlink(path)  # the daemon has it mapped (or failed): no name left behind
+        size = min(self.shm_max, max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0),
+                                     self.cfg.max_batch_bytes))
         self._drop_shm()
+        fds: list[int] = []
+        try:
+            granted = self.call(Op.SHM_ATTACH, {"size": size}, fds=fds).get("size")
+            if len(fds) != 1 or not isinstance(granted, int) or granted < nbytes \
+                    or os.fstat(fds[0]).st_size != granted or not is_sealed(fds[0]):
+                raise ProtocolError("SHM_ATTACH reply without a sealed segment of the size asked")
+            mapped = populated_mmap(fds[0], granted)
+        except KVStoreError as exc:   # refused (budget, no memory): go on over the socket
+            if isinstance(exc, (AuthFailed, ProtocolError)):
+                raise
+            self.shm_ok = False
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)      # mapped (or failed): the segment lives on in the mapping only
         self._shm_map, self.shm = mapped, np.frombuffer(mapped, dtype=np.uint8)
         return self.shm
 
@@ -170,6 +191,10 @@ class _Connection:
         self._drop_shm()
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _positive(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -263,8 +288,10 @@ class RemoteStore:
             return result
         raise AssertionError("unreachable")
 
-    def _chunks(self, n: int, nbytes: int) -> list[range]:
-        per = max(1, self.config.max_batch_bytes // max(nbytes, 1))
+    def _chunks(self, n: int, nbytes: int = 0) -> list[range]:
+        """Requests for ``n`` keys of ``nbytes`` blocks: at most max_batch_bytes
+        and at most the protocol's MAX_KEYS keys each."""
+        per = min(MAX_KEYS, max(1, self.config.max_batch_bytes // max(nbytes, 1)))
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     # -- the store API --------------------------------------------------------------
@@ -274,13 +301,20 @@ class RemoteStore:
         checked here too, so it fails the same way against a daemon too old to
         know the field."""
         followup = check_followup(followup)
-        meta: dict[str, Any] = {"keys": [check_key(k) for k in keys]}
-        if followup is not None:  # absent = unknown; older daemons ignore the field
-            meta["followup"] = followup
-        if probe:                 # absent = a request; older daemons count probes as requests
-            meta["probe"] = True
-        r = self._with_conn(lambda c: c.call(Op.LOOKUP, meta))
-        return LookupResult(r["prefix"], r["tiers"], [None if x is None else MissReason(x) for x in r["reasons"]])
+        keys = [check_key(k) for k in keys]
+        prefix, tiers, reasons = 0, [], []
+        for n, part in enumerate(self._chunks(len(keys)) or [range(0)]):
+            meta: dict[str, Any] = {"keys": keys[part.start:part.stop]}
+            if followup is not None and n == 0:  # absent = unknown; older daemons ignore the field
+                meta["followup"] = followup
+            if probe or n:        # a request is counted once: its later parts are probes
+                meta["probe"] = True
+            r = self._with_conn(lambda c, meta=meta: c.call(Op.LOOKUP, meta))
+            if prefix == part.start:
+                prefix += r["prefix"]
+            tiers += r["tiers"]
+            reasons += [None if x is None else MissReason(x) for x in r["reasons"]]
+        return LookupResult(prefix, tiers, reasons)
 
     def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],
             blocks: Sequence[object]) -> list[PutOutcome]:
@@ -297,8 +331,8 @@ class RemoteStore:
 
     def _put_on(self, conn: _Connection, ident: bytes, keys: list, views: list, nbytes: int) -> dict:
         meta = {"identity": ident, "keys": keys}
-        if conn.shm_ok:
-            shm = conn.shared(len(views) * nbytes)
+        shm = conn.shared(len(views) * nbytes)
+        if shm is not None:
             for i, v in enumerate(views):
                 shm[i * nbytes:(i + 1) * nbytes] = np.frombuffer(v, dtype=np.uint8)
             return conn.call(Op.PUT, {**meta, "shm": True})
@@ -324,8 +358,8 @@ class RemoteStore:
 
     def _get_on(self, conn: _Connection, ident: bytes, keys: list, views: list, nbytes: int) -> dict:
         meta = {"identity": ident, "keys": keys}
-        if conn.shm_ok:
-            shm = conn.shared(len(views) * nbytes)
+        shm = conn.shared(len(views) * nbytes)
+        if shm is not None:
             r = conn.call(Op.GET, {**meta, "shm": True})
             for i, (v, reason) in enumerate(zip(views, r["reasons"])):
                 if reason is None:
@@ -363,8 +397,8 @@ class RemoteStore:
     def _views_on(self, conn: _Connection, ident: bytes, keys: list, nbytes: int, first: int,
                   consume: Callable) -> list[MissReason | None]:
         size = len(keys) * nbytes
-        if conn.shm_ok:
-            shm = conn.shared(size)
+        shm = conn.shared(size)
+        if shm is not None:
             r = conn.call(Op.GET, {"identity": ident, "keys": keys, "shm": True})
             blocks = shm[:size].reshape(len(keys), nbytes)
         else:
@@ -383,16 +417,23 @@ class RemoteStore:
         """A Future of the number of blocks moved. ``cancel()`` works until the
         request is sent; after that the daemon finishes the (bounded) prefetch."""
         keys = [check_key(k) for k in keys]
-        return self._pool.submit(lambda: self._with_conn(
-            lambda c: c.call(Op.PREFETCH, {"keys": keys, "to": to}))["moved"])
+        return self._pool.submit(lambda: sum(self._with_conn(
+            lambda c, p=p: c.call(Op.PREFETCH, {"keys": keys[p.start:p.stop], "to": to}))["moved"]
+            for p in self._chunks(len(keys))))
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
+        """Pin for ``ttl_s``; returns the TTL the daemon granted (it caps them)."""
         keys = [check_key(k) for k in keys]
-        self._with_conn(lambda c: c.call(Op.PIN, {"keys": keys, "ttl_s": float(ttl_s)}))
+        granted = float(ttl_s)
+        for p in self._chunks(len(keys)) or [range(0)]:
+            granted = self._with_conn(lambda c, p=p: c.call(
+                Op.PIN, {"keys": keys[p.start:p.stop], "ttl_s": float(ttl_s)})).get("ttl_s", granted)
+        return granted
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         keys = [check_key(k) for k in keys]
-        self._with_conn(lambda c: c.call(Op.UNPIN, {"keys": keys}))
+        for p in self._chunks(len(keys)) or [range(0)]:
+            self._with_conn(lambda c, p=p: c.call(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int:
         """Drop a namespace. Only by identity: the daemon salts namespaces per

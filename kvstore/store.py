@@ -16,7 +16,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -459,6 +459,12 @@ class TieredStore:
             if head is not None:
                 return head
         return None
+
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        """``(key, owner, raw bytes)`` of every record every tier holds (a key
+        in two tiers comes twice): what the daemon rebuilds its quotas from."""
+        for tier in self.tiers:
+            yield from tier.iter_owners()
 
     def snapshot(self) -> dict:
         snap = self.stats.snapshot()

@@ -1,6 +1,7 @@
 """Human sizes: "2MiB", "512K", "1.5GB", "4096" -> bytes."""
 from __future__ import annotations
 
+import math
 import re
 
 from kvstore.errors import ConfigError
@@ -16,11 +17,14 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ConfigError(f"a size must not be negative, got {text}")
         return text
-    m = _SIZE.match(str(text))
+    m = _SIZE.match(text) if isinstance(text, str) else None
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise ConfigError(f"not a size: {text!r} (try 4096, 512KiB, 2MiB, 8GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+        raise ConfigError(f"not a size: {repr(text)[:60]} (try 4096, 512KiB, 2MiB, 8GiB)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value >= 1 << 63:
+        raise ConfigError(f"size {repr(text)[:60]} is too large")
+    return int(value)
 
 
 def format_size(n: float) -> str:

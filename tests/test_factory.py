@@ -61,8 +61,11 @@ def test_store_with_redis_behind_dram(redis_url):
         assert s.lookup(KEYS).prefix_blocks == 0
 
 
-def test_write_through_survives_a_crash_without_close(tmp_path):
-    """A process that dies without closing keeps what write-through put on NVMe."""
+@pytest.mark.parametrize("policy", ["write-through", "default"])
+def test_fsync_puts_survive_a_crash_without_close(tmp_path, policy):
+    """A process that dies without closing keeps every put acknowledged under
+    nvme_durability=fsync, whatever the policy: the default one writes to DRAM
+    first, and an fsync store acknowledges a put only once NVMe has it."""
     import subprocess
     import sys
     code = f"""
@@ -73,8 +76,9 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 ID = CacheIdentity("m/factory", KVLayout(2, 2, 32, 16, dtype="float16"))
 s = open_store(StoreConfig(dram_bytes=1 << 20, nvme_path={str(tmp_path)!r}, nvme_bytes=16 << 20,
-                           nvme_durability="fsync", policy="write-through"))
-s.put(ID, block_keys(ID, range(16 * 6)), [np.full(ID.layout.block_bytes, i, np.uint8) for i in range(6)])
+                           nvme_durability="fsync", policy={policy!r}))
+out = s.put(ID, block_keys(ID, range(16 * 6)), [np.full(ID.layout.block_bytes, i, np.uint8) for i in range(6)])
+assert [o.value for o in out] == ["stored"] * 6, out
 os._exit(0)  # no close, no flush
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

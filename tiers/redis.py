@@ -35,11 +35,20 @@ put answers ``NO_SPACE``. Rejected: a used-bytes counter kept inside Redis
 key lives on one slot, so the script would be cross-slot).
 
 Availability. Every network failure becomes ``UNAVAILABLE`` (get, put),
-``False`` (contains, delete) or ``None`` (stat), never an exception. A
-failed call is retried ``retries`` times with exponential backoff; then a
-breaker fails calls fast (no network) for a backoff that doubles up to
-``down_backoff_cap_s`` (<= 1 s), after which the next call reconnects: so the
-tier is back within ~1 s of the server's return.
+``False`` (contains, delete) or ``None`` (stat), never an exception, and
+every call is bounded in time: one round trip may take ``timeout_s``
+(default 0.5 s) plus its bytes at ``min_bandwidth`` (so a batch of large
+blocks is not cut short). A connection that fails fast (refused, reset) is
+retried ``retries`` times with exponential backoff; a server that does not
+answer in time (hung, SIGSTOPped, swapping) is not retried: the breaker
+opens at once. While open it fails calls fast (no network) for a backoff
+that doubles up to ``down_backoff_cap_s`` (<= 1 s); after it the next call
+tries again, so callers get misses, not waits, and the tier is back within
+~1 s of the server's return. A failed UNLINK is owed, not forgotten: its
+bytes stay in the ledger until the tier, back in touch, unlinks it; and
+after every outage the tier resyncs its ledger with what the server holds
+(a restarted server may have lost everything), so the ledger never counts
+bytes it cannot evict.
 
 Threading: all methods are coroutines for one event loop; not thread-safe.
 """
@@ -74,6 +83,7 @@ from kvstore.tiers.redis_wire import (
     set_frames,
 )
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from kvstore.errors import ConfigError, CorruptRecord, LayoutMismatch
 from kvstore.keys import BlockKey, storage_name
@@ -110,8 +120,9 @@ class RedisConfig:
     max_connections: int = 32
     parallel: int = 2
     pipeline_blocks: int = 16
-    socket_timeout_s: float = 5.0
-    connect_timeout_s: float = 1.0
+    socket_timeout_s: float = 0.5      # one round trip (plus its bytes at min_bandwidth)
+    connect_timeout_s: float = 0.25
+    min_bandwidth: float = 100e6       # bytes/s: a bulk round trip may take its size at this rate
     retries: int = 1
     backoff_base_s: float = 0.01
     down_backoff_cap_s: float = 0.5
@@ -140,7 +151,7 @@ class RedisConfig:
         if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
             raise ConfigError(f"retries must be an int in [0, 10], got {self.retries!r}")
         for name in ("socket_timeout_s", "connect_timeout_s", "backoff_base_s",
-                     "down_backoff_cap_s"):
+                     "down_backoff_cap_s", "min_bandwidth"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
@@ -199,6 +210,8 @@ class RedisTier(TierOps):
         self._ready_ok = False
         self._raw_sockets = config.raw_sockets and urlparse(config.url).scheme == "redis"
         self._idle: dict[str, list[RawConnection]] = {}  # node name -> idle raw connections
+        self._unlink_owed: set[BlockKey] = set()   # UNLINKs that failed: counted until done
+        self._resync_task: asyncio.Task | None = None
 
     @classmethod
     async def open(cls, config: RedisConfig, **kwargs) -> RedisTier:
@@ -330,8 +343,10 @@ class RedisTier(TierOps):
             db=int(kw.get("db") or 0), username=kw.get("username"),
             password=kw.get("password"))
 
-    async def _attempt(self, node: object, work: Callable) -> object:
-        """Run ``work(reader, writer)`` on a connection to ``node``, with retries.
+    async def _attempt(self, node: object, work: Callable, nbytes: int = 0) -> object:
+        """Run ``work(reader, writer)`` on a connection to ``node``, within
+        ``socket_timeout_s`` + ``nbytes`` at ``min_bandwidth``; retried after a
+        fast failure, never after a timeout (see the module docstring).
 
         Returns its result, or ``DOWN`` if the node stays unreachable (the
         breaker then fails further calls fast until its backoff passes).
@@ -340,11 +355,16 @@ class RedisTier(TierOps):
         if not breaker.allow():
             return DOWN
         c = self.config
+        bound = c.socket_timeout_s + nbytes / c.min_bandwidth
+        hung = False
         for attempt in range(c.retries + 1):
             try:
-                async with asyncio.timeout(c.socket_timeout_s):
+                async with asyncio.timeout(bound):
                     async with self._connection(node) as (reader, writer):
                         result = await work(reader, writer)
+            except (TimeoutError, RedisTimeout) as exc:   # no answer in time: a retry would wait as long again
+                error, hung = exc, True
+                break
             except (*NET_ERRORS, FramingError, ValueError) as exc:
                 error = exc
                 if attempt < c.retries:
@@ -352,19 +372,21 @@ class RedisTier(TierOps):
                 continue
             if breaker.success():
                 self.stats.reconnects += 1
+                self._after_outage()
             return result
-        breaker.failure()
+        breaker.failure(hung=hung)
         log.warning("redis tier %s: %s unreachable: %r", self.name,
                     getattr(node, "name", c.url.split("@")[-1]), error)
         return DOWN
 
     async def _dispatch(self, names: Sequence[bytes], work: Callable,
-                        redo: Callable) -> list[object]:
+                        redo: Callable, item_bytes: Callable[[int], int] | None = None) -> list[object]:
         """Run ``work(reader, writer, indices)`` per node and pipelined chunk.
 
         ``redo(i)`` handles an item the cluster redirected (through redis-py,
         which follows MOVED/ASK and refreshes its slot map). Items of an
-        unreachable node come back as ``DOWN``.
+        unreachable node come back as ``DOWN``. ``item_bytes(i)``: the bytes
+        item ``i`` moves (what its chunk's time bound allows for).
         """
         results: list[object] = [DOWN] * len(names)
         client = await self._ready()
@@ -379,7 +401,8 @@ class RedisTier(TierOps):
 
         async def run(node: object, idx: list[int]) -> None:
             async with gate:
-                got = await self._attempt(node, lambda r, w: work(r, w, idx))
+                got = await self._attempt(node, lambda r, w: work(r, w, idx),
+                                          sum(map(item_bytes, idx)) if item_bytes else 0)
             if got is DOWN:
                 return
             for i, res in zip(idx, got):
@@ -480,7 +503,7 @@ class RedisTier(TierOps):
             done = await self._client.set(sends[j][1], record, nx=True, px=ttl_ms)
             return PutOutcome.STORED if done else PutOutcome.EXISTS
 
-        return await self._dispatch([s[1] for s in sends], work, redo)
+        return await self._dispatch([s[1] for s in sends], work, redo, lambda j: sends[j][5])
 
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                             dsts: Sequence[object]) -> list[GetOutcome]:
@@ -508,7 +531,7 @@ class RedisTier(TierOps):
             reader.feed_eof()
             return await read_record(reader, spec, keys[i], views[i])
 
-        results = await self._dispatch(names, work, redo)
+        results = await self._dispatch(names, work, redo, lambda i: HEADER_BYTES + spec.nbytes)
         mismatch = next((r for r in results if isinstance(r, LayoutMismatch)), None)
         if mismatch is not None:
             raise mismatch
@@ -539,12 +562,19 @@ class RedisTier(TierOps):
         return [r == 1 for r in await self._small(names, b"EXISTS")]
 
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """UNLINK per key (freed by the server in the background); False if unreachable."""
+        """UNLINK per key (freed by the server in the background); False if
+        unreachable. An UNLINK that could not be sent is owed: its bytes stay
+        in the ledger (the record may still be there, so they are not free)
+        until :meth:`resync` unlinks it."""
         names = [self._name(k) for k in keys]
         out = []
         for key, r in zip(keys, await self._small(names, b"UNLINK")):
-            if r is not DOWN:
+            if r is DOWN:
+                if self._ledger.holds(key):
+                    self._unlink_owed.add(key)
+            else:
                 self._ledger.remove(key)
+                self._unlink_owed.discard(key)
             out.append(r == 1)
         return out
 
@@ -553,19 +583,17 @@ class RedisTier(TierOps):
         return await self._stat_names([self._name(k) for k in keys])
 
     async def _stat_names(self, names: Sequence[bytes]) -> list[RecordHeader | None]:
-        out: list[RecordHeader | None] = []
-        for raw in await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1)):
-            try:
-                out.append(unpack_header(raw) if isinstance(raw, bytes) and raw else None)
-            except CorruptRecord:
-                out.append(None)
-        return out
+        raws = await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
+        return [_header_or_none(raw) for raw in raws]
 
     # -- whole-tier operations ---------------------------------------------
-    async def _scan_names(self):
-        """Every name under the prefix, in batches (SCAN; all masters of a cluster)."""
+    async def _scan_names(self, strict: bool = False):
+        """Every name under the prefix, in batches (SCAN; all masters of a cluster).
+        A failure ends the scan with a warning, or (``strict``) raises."""
         client = await self._ready()
         if client is None:
+            if strict:
+                raise ConnectionError("redis unreachable")
             return
         batch: list[bytes] = []
         try:
@@ -575,6 +603,8 @@ class RedisTier(TierOps):
                     yield batch
                     batch = []
         except NET_ERRORS as exc:
+            if strict:
+                raise
             log.warning("redis tier %s: scan stopped: %r", self.name, exc)
         if batch:
             yield batch
@@ -588,16 +618,63 @@ class RedisTier(TierOps):
         Their remaining TTL is not read: an adopted record is counted for the
         configured ``ttl_s`` from now, an upper bound. Returns records adopted.
         """
+        return (await self._adopt_all())[1]
+
+    async def _adopt_all(self) -> tuple[set[BlockKey], int, bool]:
+        """Scan the prefix, adopting records the ledger lacks (while they fit).
+        Returns (keys seen, records adopted, whether the scan saw everything)."""
+        seen: set[BlockKey] = set()
         adopted = 0
-        async for names in self._scan_names():
-            for name, head in zip(names, await self._stat_names(names)):
-                if not self._owned(name, head) or self._ledger.holds(head.key):
-                    continue
-                if self._ledger.used + head.record_bytes > self.capacity_bytes:
-                    return adopted
-                self._ledger.add(head.key, head.record_bytes, self.config.ttl_s, head.owner, head.raw_len)
-                adopted += 1
-        return adopted
+        try:
+            async for names in self._scan_names(strict=True):
+                raws = await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
+                if any(r is DOWN for r in raws):
+                    return seen, adopted, False
+                for name, raw in zip(names, raws):
+                    head = _header_or_none(raw)
+                    if not self._owned(name, head):
+                        continue
+                    seen.add(head.key)
+                    if self._ledger.holds(head.key) or \
+                            self._ledger.used + head.record_bytes > self.capacity_bytes:
+                        continue
+                    self._ledger.add(head.key, head.record_bytes, self.config.ttl_s, head.owner,
+                                     head.raw_len)
+                    adopted += 1
+        except (*NET_ERRORS, ConnectionError) as exc:
+            log.warning("redis tier %s: scan stopped: %r", self.name, exc)
+            return seen, adopted, False
+        return seen, adopted, True
+
+    def _after_outage(self) -> None:
+        """The server answers again after an outage: resync in the background."""
+        if self._resync_task is None or self._resync_task.done():
+            self._resync_task = asyncio.get_running_loop().create_task(self.resync())
+
+    async def resync(self) -> int:
+        """Make the ledger what the server holds: send the UNLINKs owed, adopt
+        what it holds that the ledger lacks, and forget what it no longer holds
+        (a server restarted without its data). Keys put meanwhile are kept
+        (the scan may have passed them). Returns ledger entries dropped."""
+        owed = list(self._unlink_owed)
+        if owed:
+            await self.delete_many(owed)
+        before = set(self._ledger.sizes)
+        self._ledger.watch()
+        try:
+            seen, _, complete = await self._adopt_all()
+        finally:
+            added = self._ledger.unwatch()
+        if not complete:
+            return 0
+        gone = before - seen - added
+        for key in gone:
+            self._ledger.remove(key)
+            self._unlink_owed.discard(key)
+        if gone:
+            log.warning("redis tier %s: %d records counted in the ledger are gone from the server "
+                        "(restarted without its data?); forgotten", self.name, len(gone))
+        return len(gone)
 
     async def drop_namespace(self, namespace: bytes) -> int:
         """Delete every record of ``namespace`` under the prefix; return how many.
@@ -624,6 +701,9 @@ class RedisTier(TierOps):
 
     async def close(self) -> None:
         """Close the connections. Records stay in Redis (the tier is persistent)."""
+        if self._resync_task is not None:
+            self._resync_task.cancel()
+            await asyncio.gather(self._resync_task, return_exceptions=True)
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()
@@ -632,3 +712,11 @@ class RedisTier(TierOps):
             with contextlib.suppress(*NET_ERRORS):
                 await self._client.aclose()
         self._client, self._ready_ok = None, False
+
+
+def _header_or_none(raw: object) -> RecordHeader | None:
+    """A GETRANGE reply's record header; None if absent, down or not a record."""
+    try:
+        return unpack_header(raw) if isinstance(raw, bytes) and raw else None
+    except CorruptRecord:
+        return None

@@ -53,9 +53,12 @@ class Breaker:
     def down(self) -> bool:
         return self.failures > 0
 
-    def failure(self) -> None:
+    def failure(self, *, hung: bool = False) -> None:
+        """A call failed; ``hung``: it timed out (the server is there but does
+        not answer), so the breaker opens for the whole cap at once."""
         self.failures += 1
-        self.open_until = self.clock() + min(self.cap, self.base * 2 ** (self.failures - 1))
+        backoff = self.cap if hung else min(self.cap, self.base * 2 ** (self.failures - 1))
+        self.open_until = self.clock() + backoff
 
     def success(self) -> bool:
         """Record a success; True if this ends an outage."""
@@ -75,6 +78,15 @@ class Ledger:
         self.expiry: dict[BlockKey, float] = {}
         self._heap: list[tuple[float, BlockKey]] = []
         self.used = 0
+        self._watched: set[BlockKey] | None = None
+
+    def watch(self) -> None:
+        """Start noting the keys added (a resync must not drop them)."""
+        self._watched = set()
+
+    def unwatch(self) -> set[BlockKey]:
+        added, self._watched = self._watched or set(), None
+        return added
 
     def purge(self) -> None:
         now = self.clock()
@@ -89,6 +101,8 @@ class Ledger:
         self.sizes[key] = nbytes
         self.owners[key] = (owner, raw_len)
         self.used += nbytes
+        if self._watched is not None:
+            self._watched.add(key)
         if ttl_s is not None:
             when = self.clock() + ttl_s
             self.expiry[key] = when

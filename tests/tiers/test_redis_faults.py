@@ -17,7 +17,7 @@ pytestmark = pytest.mark.redis
 
 
 def _tier(url: str, **kw) -> RedisTier:
-    return RedisTier(RedisConfig(url=url, capacity_bytes=1 << 30, prefix="f:", **kw))
+    return RedisTier(RedisConfig(url=url, **{"capacity_bytes": 1 << 30, "prefix": "f:", **kw}))
 
 
 async def _outcomes_while_down(tier: RedisTier) -> None:
@@ -27,7 +27,7 @@ async def _outcomes_while_down(tier: RedisTier) -> None:
     assert await tier.put(SPEC, key(50), payload(50)) is PutOutcome.UNAVAILABLE
     assert await tier.contains(key(1)) is False
     assert await tier.stat(key(1)) is None
-    assert await tier.delete(key(1)) is False
+    assert await tier.delete(key(3)) is False           # owed: carried out once the server is back
     assert await tier.drop_namespace(SPEC.namespace) == 0
     assert time.monotonic() - t0 < 2.0, "a down server must not stall the caller"
     assert tier.stats.unavailable >= 2
@@ -54,6 +54,7 @@ def test_killed_server_means_unavailable_then_reconnects(redis_server_factory, p
     async def body():
         tier = _tier(server.url, raw_sockets=raw_sockets)
         assert await tier.put(SPEC, key(1), payload(1)) is PutOutcome.STORED
+        assert await tier.put(SPEC, key(3), payload(3)) is PutOutcome.STORED
         server.kill()
         await _outcomes_while_down(tier)
         await asyncio.sleep(1.2)  # let the breaker back off to its cap
@@ -63,6 +64,9 @@ def test_killed_server_means_unavailable_then_reconnects(redis_server_factory, p
         dst = np.zeros(BLOCK, np.uint8)
         expect = GetOutcome.HIT if persistent else GetOutcome.MISS
         assert await tier.get_into(SPEC, key(1), dst) is expect
+        await asyncio.wait_for(tier._resync_task, 5)        # the resync after the outage
+        assert await tier.get_into(SPEC, key(3), dst) is GetOutcome.MISS   # the owed delete, done
+        assert sorted(tier.iter_keys()) == sorted([key(2)] + ([key(1)] if persistent else []))
         await tier.close()
     asyncio.run(body())
 
@@ -139,4 +143,83 @@ def test_breaker_fails_fast_and_retries_after_backoff(redis_server_factory):
         now[0] += 0.11
         assert await tier.get_into(SPEC, key(1), dst) is GetOutcome.MISS
         await tier.close()
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("raw_sockets", [True, False])
+def test_a_hung_server_costs_a_caller_its_timeout_not_more(redis_server_factory, raw_sockets):
+    """SIGSTOP (a hung server: connections accepted, nothing answered) for 3 s:
+    every call returns within about the default timeout (0.5 s), most at once
+    (the breaker is open), with misses, not waits; then the tier is back."""
+    import signal
+    server = redis_server_factory()
+    spec = BlockSpec(b"N" * 16, b"L" * 8, 256 << 10)
+
+    async def body():
+        tier = _tier(server.url, raw_sockets=raw_sockets)
+        assert await tier.put(spec, key(1), payload(1, spec.nbytes)) is PutOutcome.STORED
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            took, outs = [], []
+            stop = time.monotonic() + 3.0
+            dst = np.zeros(spec.nbytes, np.uint8)
+            while time.monotonic() < stop:
+                for call in (lambda: tier.get_into(spec, key(1), dst), lambda: tier.contains(key(1)),
+                             lambda: tier.put_many(spec, [key(i) for i in range(2, 10)],
+                                                   [payload(i, spec.nbytes) for i in range(2, 10)])):
+                    t0 = time.monotonic()
+                    outs.append(await call())
+                    took.append(time.monotonic() - t0)
+                await asyncio.sleep(0.01)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert max(took) < 0.9, f"a caller waited {max(took):.2f}s on a hung server"
+        assert sorted(took)[len(took) // 2] < 0.05, "the breaker should answer most calls at once"
+        assert GetOutcome.UNAVAILABLE in outs and False in outs
+        took_back = await _wait_back(tier, time.monotonic(), 20)
+        assert took_back < 3.0
+        await tier.close()
+    asyncio.run(body())
+
+
+def test_an_outage_at_capacity_does_not_disable_the_tier(redis_server_factory):
+    """The store fills Redis, then Redis goes away: the evictions' UNLINKs fail.
+    Before, their keys left the eviction order but not the byte ledger, and
+    after a restart of an empty server the tier answered no_space with 0 keys
+    in Redis. Now the UNLINKs are owed and the ledger resyncs with the server."""
+    from kvstore.identity import CacheIdentity, KVLayout
+    from kvstore.keys import block_keys
+    from kvstore.store import TieredStore
+    from kvstore.tiers.memory import MemoryTier
+
+    ident = CacheIdentity("m/outage", KVLayout(1, 1, 64, 64, dtype="float16"))
+    assert ident.layout.block_bytes == BLOCK
+    keys = block_keys(ident, range(64 * 40))
+    per = BLOCK + 96
+    server = redis_server_factory()
+
+    async def put(store, i):
+        return await store.aput(ident, [keys[i]], [payload(i)])
+
+    async def body():
+        redis = _tier(server.url, capacity_bytes=6 * per)
+        store = TieredStore([MemoryTier(2 * per, name="dram"), redis])
+        for i in range(8):                               # dram 2 + redis 6: full
+            await put(store, i)
+        assert redis.used_bytes == 6 * per
+        server.kill()
+        for i in range(8, 16):                           # evictions from redis fail: down
+            await put(store, i)
+        server.start()                                   # a fresh, empty server (no persistence)
+        await asyncio.sleep(0.6)                         # past the breaker's backoff
+        for i in range(16, 40):
+            await put(store, i)
+            await asyncio.sleep(0.02)
+        if redis._resync_task is not None:
+            await asyncio.wait_for(redis._resync_task, 5)
+        keys_in_redis = int(server.command("DBSIZE")[1:-2])
+        assert keys_in_redis > 0, "the tier stored nothing after the outage"
+        assert redis.used_bytes == keys_in_redis * per, (redis.used_bytes, keys_in_redis)
+        assert redis.used_bytes <= redis.capacity_bytes
+        await store.aclose()
     asyncio.run(body())

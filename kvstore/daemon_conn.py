@@ -1,0 +1,80 @@
+"""One client connection's state on the daemon: its socket and peer, its
+tenant once authenticated, and the memory it holds (a receive buffer and a
+shared-memory segment), every byte of which is counted against the tenant.
+
+Loop only. The buffers belong to the connection's one request at a time:
+the store copies out of a PUT buffer before ``aput`` returns and fills a
+GET buffer before ``aget_into`` returns, so one buffer is reused.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import socket
+
+import numpy as np
+
+from kvstore.daemon_limits import DaemonLimits
+from kvstore.daemon_tenants import Tenant
+from kvstore.identity import CacheIdentity
+from kvstore.shm import unmap
+
+IDENTITY_CACHE = 64     # parsed identities per connection
+
+
+class Conn:
+    __slots__ = ("busy", "creds", "idents", "peer", "scratch", "shm", "shm_map", "sock", "tenant")
+
+    def __init__(self, sock: socket.socket, peer: str, creds: tuple[int, int, int] | None) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.creds = creds                       # (pid, uid, gid) of a Unix-socket peer
+        self.tenant: Tenant | None = None
+        self.busy = False                        # serving a request (its buffers are in use)
+        self.scratch = np.empty(0, dtype=np.uint8)
+        self.shm: np.ndarray | None = None
+        self.shm_map: mmap.mmap | None = None
+        self.idents: dict[bytes, CacheIdentity] = {}
+
+    @property
+    def uid(self) -> int | None:
+        return self.creds[1] if self.creds else None
+
+    def buffer(self, nbytes: int, limits: DaemonLimits) -> memoryview:
+        """The reusable receive buffer, grown on demand within the tenant's
+        buffer budget (Overloaded past it). Zeroed memory is mapped lazily and
+        touched once, not per request."""
+        if self.scratch.nbytes < nbytes:
+            assert self.tenant is not None
+            self.drop_scratch()
+            self.tenant.take_buffer(nbytes, limits.tenant_buffer_bytes)
+            self.scratch = np.zeros(nbytes, dtype=np.uint8)
+        return memoryview(self.scratch)[:nbytes]
+
+    def drop_scratch(self) -> int:
+        """Give the receive buffer back; returns the bytes freed."""
+        n = self.scratch.nbytes
+        if n and self.tenant is not None:
+            self.tenant.give_buffer(n)
+        self.scratch = np.empty(0, dtype=np.uint8)
+        return n
+
+    def attach(self, mapped: mmap.mmap) -> None:
+        """Use ``mapped`` (already counted against the tenant) as this connection's segment."""
+        self.drop_shm()
+        self.shm_map = mapped
+        self.shm = np.frombuffer(mapped, dtype=np.uint8)
+
+    def drop_shm(self) -> None:
+        if self.shm_map is not None and self.tenant is not None:
+            self.tenant.give_buffer(len(self.shm_map))
+        self.shm = None
+        unmap(self.shm_map)
+        self.shm_map = None
+
+    def close(self) -> None:
+        self.drop_shm()
+        self.drop_scratch()
+        self.idents.clear()
+        with contextlib.suppress(OSError):
+            self.sock.close()

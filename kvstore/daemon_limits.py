@@ -1,0 +1,67 @@
+"""The daemon's bounds on every peer: what one connection, one tenant and a
+peer that has not authenticated yet may cost it.
+
+The daemon serves tenants that do not trust each other, so no peer may
+hold memory, descriptors or time without a bound: a peer that never sends
+its token, one that idles, one that asks for the same 2 MiB block a
+thousand times in one request, one that pins a million keys for ever.
+Each bound answers with a typed error (``Overloaded``, a TierUnavailable:
+the connectors read it as a miss) or closes the connection; none lets one
+tenant's excess fall on another.
+
+Defaults are sized for engines on one host: a client batches at most
+64 MiB per request (RemoteConfig.max_batch_bytes) over up to 8 pooled
+connections per process, so 256 MiB per request and 1 GiB of buffers per
+tenant leave room for several engine processes per tenant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_size
+
+_SIZES = ("max_request_bytes", "tenant_buffer_bytes", "shm_segment_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonLimits:
+    auth_timeout_s: float = 5.0          # from accept to a HELLO that authenticates
+    idle_timeout_s: float = 300.0        # between requests of an authenticated connection
+    request_timeout_s: float = 60.0      # to receive one request's body, and to send its reply
+    max_preauth_connections: int = 64    # connections that have not authenticated yet
+    max_connections_per_tenant: int = 64
+    max_request_bytes: int = 256 << 20   # a PUT's payload, a GET's blocks
+    tenant_buffer_bytes: int = 1 << 30   # per tenant: its connections' receive buffers and shm segments
+    shm_segment_bytes: int = 256 << 20   # one connection's shared-memory segment, at most
+    max_pins_per_tenant: int = 1 << 16
+    max_pin_ttl_s: float = 3600.0        # a longer (or infinite) pin is granted this
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value) or value <= 0:
+                    raise ConfigError(f"daemon.limits.{f.name} must be a positive number of seconds, "
+                                      f"got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"daemon.limits.{f.name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DaemonLimits:
+        if not isinstance(data, Mapping):
+            raise ConfigError("daemon.limits must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown daemon.limits field(s): {', '.join(unknown)}")
+        values = dict(data)
+        for name in _SIZES:
+            if name in values:
+                values[name] = parse_size(values[name])
+        return cls(**values)

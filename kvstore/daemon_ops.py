@@ -1,0 +1,272 @@
+"""The daemon's request handlers: one method per opcode, from checked
+metadata to a reply.
+
+Every field a client sends is checked here (through the helpers of
+:mod:`kvstore.protocol`) before it reaches the store, and every key is
+re-keyed into the tenant's namespace (:mod:`kvstore.daemon_tenants`): a
+handler never acts on a raw client key. Bad input raises a typed
+:class:`~kvstore.errors.KVStoreError`, which the server answers on the same
+connection. Loop only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstore.daemon_conn import IDENTITY_CACHE, Conn
+from kvstore.daemon_metrics import render_metrics
+from kvstore.daemon_tenants import Tenant
+from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, Overloaded, ProtocolError
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import PutOutcome
+from kvstore.protocol import (
+    MAX_IDENTITY_BYTES,
+    MAX_KEYS,
+    Op,
+    bool_field,
+    bytes_field,
+    keys_field,
+)
+from kvstore.record import BlockSpec
+from kvstore.shm import create_segment, round_to_pages
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.daemon import Daemon
+
+Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
+
+
+class Handlers:
+    """Serves one request at a time for a connection (see ``Daemon._request``)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.store = daemon.store
+        self.tenants = daemon.tenants
+        self.limits = daemon.config.limits
+        self.clock: Callable[[], float] = daemon.clock
+        self._table: dict[Op, Callable[[Conn, Tenant, dict, memoryview], Any]] = {
+            Op.PING: self._ping, Op.LOOKUP: self._lookup, Op.PUT: self._put, Op.GET: self._get,
+            Op.PREFETCH: self._prefetch, Op.PIN: self._pin, Op.UNPIN: self._unpin,
+            Op.INVALIDATE: self._invalidate, Op.STATS: self._stats, Op.METRICS: self._metrics,
+            Op.SHM_ATTACH: self._attach,
+        }
+
+    async def handle(self, conn: Conn, op: Op, meta: dict, payload: memoryview) -> Reply:
+        if op is Op.HELLO:
+            return self._hello(conn, meta), [], []
+        ten = conn.tenant
+        if ten is None:
+            raise AuthFailed("authenticate first (HELLO with a token)")
+        out = await self._table[op](conn, ten, meta, payload)
+        return out if isinstance(out, tuple) else (out, [], [])
+
+    # -- authentication -----------------------------------------------------------
+    def _hello(self, conn: Conn, meta: dict) -> dict:
+        if conn.tenant is not None:
+            raise ProtocolError("this connection is authenticated already")
+        tenant = self.tenants.authenticate(meta.get("token"), conn.uid)
+        if tenant is None:
+            raise AuthFailed("unknown token" if conn.uid is None else "unknown token (or uid not allowed)")
+        if tenant.connections >= self.limits.max_connections_per_tenant:
+            raise Overloaded(f"tenant {tenant.name} has {tenant.connections} connections open, its limit")
+        conn.tenant = tenant
+        tenant.connections += 1
+        self.daemon.authenticated(conn)
+        return {"tenant": tenant.name, "shm": conn.sock.family == socket.AF_UNIX,
+                "limits": {"max_request_bytes": self.limits.max_request_bytes, "max_keys": MAX_KEYS,
+                           "shm_segment_bytes": self.limits.shm_segment_bytes}}
+
+    # -- request parts ---------------------------------------------------------------
+    @staticmethod
+    def _keys(ten: Tenant, meta: dict) -> list[BlockKey]:
+        return [ten.server_key(check_key(k)) for k in keys_field(meta)]
+
+    @staticmethod
+    def _identity(conn: Conn, ten: Tenant, meta: dict) -> CacheIdentity:
+        """The client's identity with the tenant's salt (cached per connection)."""
+        raw = bytes_field(meta, "identity", MAX_IDENTITY_BYTES)
+        ident = conn.idents.get(raw)
+        if ident is None:
+            client = CacheIdentity.from_json(raw)
+            ident = client.replace(cache_salt=ten.salt(client.cache_salt))
+            if len(conn.idents) >= IDENTITY_CACHE:
+                conn.idents.clear()
+            conn.idents[raw] = ident
+        return ident
+
+    def _views(self, conn: Conn, meta: dict, n: int, nbytes: int, payload: memoryview | None
+               ) -> list[memoryview]:
+        """Per-block views of the request's bytes: in the shared segment, in the
+        received payload (a PUT), or in the receive buffer (a GET)."""
+        if n * nbytes > self.limits.max_request_bytes:
+            raise InvalidBlock(f"{n} blocks of {nbytes} bytes exceed the daemon's "
+                               f"{self.limits.max_request_bytes}-byte request limit; split the request")
+        if bool_field(meta, "shm"):
+            if conn.shm is None:
+                raise InvalidBlock("no shared memory attached (SHM_ATTACH first)")
+            if n * nbytes > conn.shm.nbytes:
+                raise InvalidBlock(f"{n} blocks of {nbytes} bytes exceed the shared segment")
+            base = memoryview(conn.shm)
+        elif payload is not None:
+            if payload.nbytes != n * nbytes:
+                raise InvalidBlock(f"payload is {payload.nbytes} bytes, expected {n} x {nbytes}")
+            base = payload
+        else:
+            base = conn.buffer(n * nbytes, self.limits)
+        return [base[i * nbytes:(i + 1) * nbytes] for i in range(n)]
+
+    # -- handlers -----------------------------------------------------------------------
+    async def _ping(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        d = self.daemon
+        return {"ok": True, "draining": d.draining, "uptime_s": self.clock() - d.started}
+
+    async def _lookup(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        # the store checks the hint (InvalidHint goes back to the client as a typed error)
+        probe = bool_field(meta, "probe")
+        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
+        if not probe:
+            ten.lookup_blocks += len(res.tiers)
+            ten.lookup_hit_blocks += res.prefix_blocks
+        return {"prefix": res.prefix_blocks, "tiers": res.tiers,
+                "reasons": [r.value if r is not None else None for r in res.reasons]}
+
+    async def _put(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        ident = self._identity(conn, ten, meta)
+        keys = self._keys(ten, meta)
+        nbytes = BlockSpec.of(ident).nbytes
+        views = self._views(conn, meta, len(keys), nbytes, payload)
+        out: list[PutOutcome] = [PutOutcome.NO_SPACE] * len(keys)
+        admit = await self._admit(ten, keys, nbytes)
+        reserved = len(admit) * nbytes
+        ten.pending_bytes += reserved
+        try:
+            res = await self.store.aput(ident, [keys[i] for i in admit], [views[i] for i in admit],
+                                        owner=ten.owner)
+        finally:
+            ten.pending_bytes -= reserved
+        for i, r in zip(admit, res):
+            out[i] = r
+            if r in (PutOutcome.STORED, PutOutcome.EXISTS):
+                ten.hold(keys[i], nbytes)
+        ten.no_space += sum(o is PutOutcome.NO_SPACE for o in out)
+        return {"outcomes": [o.value for o in out]}
+
+    async def _admit(self, ten: Tenant, keys: list[BlockKey], nbytes: int) -> list[int]:
+        """Indexes of the keys this put may store under the tenant's quota
+        (keys it already holds are free; the rest in order while they fit)."""
+        if not ten.quota_bytes:
+            return list(range(len(keys)))
+        new = [i for i, k in enumerate(keys) if k not in ten.held]
+        if ten.used_bytes + ten.pending_bytes + len(new) * nbytes > ten.quota_bytes:
+            await self.reconcile(ten)  # evictions may have freed some of its share
+        room = max(0, ten.quota_bytes - ten.used_bytes - ten.pending_bytes) // nbytes
+        refused = set(new[room:])
+        return [i for i in range(len(keys)) if i not in refused]
+
+    async def reconcile(self, ten: Tenant) -> None:
+        """Forget held blocks no tier holds any more (evicted, invalidated).
+        O(blocks held) per call; runs only when a tenant reaches its quota."""
+        todo = list(ten.held)
+        for tier in self.store.tiers:
+            if not todo:
+                break
+            found = await tier.contains_many(todo)
+            todo = [k for k, f in zip(todo, found) if not f]
+        for k in todo:
+            ten.release(k)
+
+    async def _get(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
+        ident = self._identity(conn, ten, meta)
+        keys = self._keys(ten, meta)
+        nbytes = BlockSpec.of(ident).nbytes
+        views = self._views(conn, meta, len(keys), nbytes, None)
+        res = await self.store.aget_into(ident, keys, views, owner=ten.owner)
+        hits = [r is None for r in res]
+        ten.hits += sum(hits)
+        for r in res:
+            if r is not None:
+                ten.misses[r.value] += 1
+        reply = {"reasons": [None if r is None else r.value for r in res]}
+        if meta.get("shm"):
+            return reply, [], []
+        return reply, [v for v, h in zip(views, hits) if h], []
+
+    async def _prefetch(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        to = meta.get("to", 0)
+        if isinstance(to, bool) or not isinstance(to, (str, int)) or (isinstance(to, str) and len(to) > 64):
+            raise KVStoreError("prefetch target must be a tier name or index")
+        return {"moved": await self.store.aprefetch(self._keys(ten, meta), to)}
+
+    async def _pin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        ttl = meta.get("ttl_s")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl) or not ttl > 0:
+            raise KVStoreError(f"pin needs a positive ttl_s, got {ttl!r}"[:200])
+        ttl = min(float(ttl), self.limits.max_pin_ttl_s)   # an infinite pin is granted the cap
+        keys = self._keys(ten, meta)
+        now = self.store.clock()
+        ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
+        self.store.pin(keys, ttl)
+        return {"ttl_s": ttl}
+
+    async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        keys = self._keys(ten, meta)
+        self.store.unpin(keys)
+        ten.unpin(keys)
+        return {}
+
+    async def _invalidate(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        dropped = await self.store.ainvalidate(self._identity(conn, ten, meta))
+        await self.reconcile(ten)
+        return {"dropped": dropped}
+
+    async def _stats(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        """The tenant's own row; an admin also gets the store's snapshot (whose
+        per-tenant rows, keyed by salts, are dropped: they would name tenants)."""
+        hits, misses = ten.hits, sum(ten.misses.values())
+        out: dict[str, Any] = {}
+        if ten.admin:
+            out = self.store.snapshot()
+            out.pop("tenants", None)
+        out["tenant"] = {"name": ten.name, "hits": hits, "misses": dict(ten.misses),
+                         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                         "used_bytes": ten.used_bytes, "quota_bytes": ten.quota_bytes,
+                         "no_space": ten.no_space, "pins": len(ten.pins),
+                         "buffer_bytes": ten.buffer_bytes, "connections": ten.connections}
+        return json.loads(json.dumps(out, default=str))  # plain types for msgpack
+
+    async def _metrics(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        return {"text": render_metrics(self.daemon, None if ten.admin else ten)}
+
+    async def _attach(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
+        """A shared segment for this connection: made here, sealed, mapped on a
+        worker thread, its descriptor passed back (see :mod:`kvstore.shm`)."""
+        if conn.sock.family != socket.AF_UNIX:
+            raise KVStoreError("shared memory needs a Unix-socket connection")
+        size = meta.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= self.limits.shm_segment_bytes:
+            raise InvalidBlock(f"shared-memory size must be 1..{self.limits.shm_segment_bytes} bytes, "
+                               f"got {size!r}"[:200])
+        size = round_to_pages(size)
+        conn.drop_shm()
+        ten.take_buffer(size, self.limits.tenant_buffer_bytes)
+        try:
+            fd, mapped = await asyncio.get_running_loop().run_in_executor(None, create_segment, size)
+        except BaseException as exc:
+            ten.give_buffer(size)
+            if isinstance(exc, OSError):
+                raise Overloaded(f"cannot make a {size}-byte shared segment: {exc}") from None
+            raise
+        if conn.sock.fileno() < 0:   # the client left while the segment was made
+            os.close(fd)
+            ten.give_buffer(size)
+            mapped.close()
+            raise ConnectionError("client gone")
+        conn.attach(mapped)
+        return {"size": size}, [], [fd]

@@ -1,0 +1,223 @@
+"""Tenancy on the daemon: who a client is, which namespace and blocks are
+its own, and what it may hold.
+
+Tenancy is enforced by the daemon, not by clients: every key a client sends
+is re-keyed server-side as ``blake2b(client_key, key=tenant_secret)`` (same
+length), and the identity's ``cache_salt`` is rewritten to
+``"tenant:<name>/<client salt>"``. Two tenants sending the same token ids
+therefore address different blocks, and a tenant cannot name a block of
+another tenant at all (it would need the other tenant's secret), so lookups
+cannot probe either. Rejected: trusting the client's ``cache_salt`` (any
+client could claim another tenant's salt), and salting the identity only
+(keys are computed client-side, so a lookup by key would still find another
+tenant's block).
+
+Every tenant secret derives from the daemon's key secret and the tenant's
+name, so it survives a restart (blocks on NVMe stay reachable by the same
+tenant) but cannot be computed by anyone who lacks the key secret. That
+secret is random, made at first start and kept with the store's data
+(:func:`load_key_secret`); an empty or guessable one would let any tenant
+compute every other tenant's keys.
+
+Every record a tenant stores carries the tenant's *owner tag* (32 bits,
+also derived from the key secret; :mod:`kvstore.record`), so on every start
+the daemon rebuilds each tenant's quota usage from what the tiers actually
+hold (:meth:`TenantTable.rebuild`): a crash cannot hand a tenant its quota
+again. Rejected: a ledger file written on a graceful stop (a SIGKILL skipped
+it, and three crashes let a tenant hold three times its quota).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvstore.daemon_config import ANONYMOUS, DaemonConfig, TenantSpec
+from kvstore.errors import ConfigError, Overloaded
+from kvstore.keys import BlockKey
+
+log = logging.getLogger("kvstore.daemon")
+
+SECRET_NAME = "daemon.secret"
+
+
+@dataclass(slots=True)
+class Tenant:
+    """A tenant's live state on the daemon's loop: its key secret, the blocks
+    it holds (for the quota), its buffers, pins and counters. Loop only."""
+
+    name: str
+    quota_bytes: int
+    secret: bytes
+    owner: int                         # the tag its records carry
+    admin: bool = False
+    uids: tuple[int, ...] = ()
+    held: dict[BlockKey, int] = field(default_factory=dict)   # server key -> bytes
+    used_bytes: int = 0
+    pending_bytes: int = 0             # puts in flight
+    buffer_bytes: int = 0              # receive buffers and shm segments its connections hold
+    connections: int = 0
+    pins: dict[BlockKey, float] = field(default_factory=dict)   # server key -> expiry (clock)
+    hits: int = 0
+    misses: Counter = field(default_factory=Counter)          # MissReason value -> count
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    no_space: int = 0
+
+    @property
+    def label(self) -> str:
+        """How /metrics names this tenant unless configured to show names."""
+        return f"t{self.owner:08x}"
+
+    def server_key(self, key: bytes) -> BlockKey:
+        return BlockKey(hashlib.blake2b(key, key=self.secret, digest_size=len(key)).digest())
+
+    def salt(self, client_salt: str) -> str:
+        return f"tenant:{self.name}/{client_salt}"
+
+    def hold(self, key: BlockKey, nbytes: int) -> None:
+        if key not in self.held:
+            self.held[key] = nbytes
+            self.used_bytes += nbytes
+
+    def release(self, key: BlockKey) -> None:
+        n = self.held.pop(key, None)
+        if n is not None:
+            self.used_bytes -= n
+
+    def take_buffer(self, nbytes: int, limit: int) -> None:
+        """Count ``nbytes`` more buffer memory, or :class:`Overloaded`."""
+        if self.buffer_bytes + nbytes > limit:
+            raise Overloaded(f"tenant {self.name}: {self.buffer_bytes + nbytes} bytes of request buffers "
+                             f"would exceed its limit of {limit}; retry with fewer or smaller requests")
+        self.buffer_bytes += nbytes
+
+    def give_buffer(self, nbytes: int) -> None:
+        self.buffer_bytes -= nbytes
+
+    def pin(self, keys: Iterable[BlockKey], expiry: float, now: float, limit: int) -> None:
+        """Count pins (a key pinned again only moves its expiry), or :class:`Overloaded`."""
+        keys = list(keys)
+        new = sum(k not in self.pins for k in keys)
+        if len(self.pins) + new > limit:
+            self.pins = {k: e for k, e in self.pins.items() if e > now}   # forget expired ones first
+            new = sum(k not in self.pins for k in keys)
+            if len(self.pins) + new > limit:
+                raise Overloaded(f"tenant {self.name}: {len(self.pins) + new} pins would exceed its "
+                                 f"limit of {limit}")
+        for k in keys:
+            self.pins[k] = max(expiry, self.pins.get(k, 0.0))
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        for k in keys:
+            self.pins.pop(k, None)
+
+
+class TenantTable:
+    """Token -> tenant (constant-time comparison), owner tag -> tenant."""
+
+    def __init__(self, config: DaemonConfig, key_secret: bytes) -> None:
+        base = hashlib.blake2b(key_secret, digest_size=32, person=b"kvstore-daemon").digest()
+        specs = config.tenants or (TenantSpec(ANONYMOUS, "anonymous-tenant", 0, admin=True),)
+        self.anonymous = not config.tenants
+        self._tokens = [(s.token.encode(), s.name) for s in specs]
+        self.by_name: dict[str, Tenant] = {}
+        self.by_owner: dict[int, Tenant] = {}
+        for s in specs:
+            secret = hashlib.blake2b(s.name.encode(), key=base, digest_size=32).digest()
+            owner = _owner_tag(s.name, base)
+            if owner in self.by_owner:   # 1 in 4 billion per pair; say so rather than mix them up
+                raise ConfigError(f"tenants {self.by_owner[owner].name!r} and {s.name!r} got the same "
+                                  "owner tag; rename one of them")
+            t = Tenant(s.name, s.quota_bytes, secret, owner, s.admin, s.uids)
+            self.by_name[s.name] = self.by_owner[owner] = t
+
+    def authenticate(self, token: object, uid: int | None) -> Tenant | None:
+        """The tenant of ``token``, if the peer's ``uid`` (Unix sockets) is one it allows."""
+        if self.anonymous:
+            return self.by_name[ANONYMOUS]
+        if not isinstance(token, str):
+            return None
+        given = token.encode("utf-8", "surrogatepass")
+        found = None
+        for tok, name in self._tokens:  # compare with all: no early exit to time
+            if hmac.compare_digest(tok, given):
+                found = name
+        tenant = self.by_name[found] if found else None
+        if tenant is not None and tenant.uids and uid not in tenant.uids:
+            return None
+        return tenant
+
+    def rebuild(self, records: Iterable[tuple[BlockKey, int, int]]) -> int:
+        """Count every record a tier holds against the tenant that owns it
+        (``(key, owner, bytes)`` from each tier's ``iter_owners``; a key held
+        by two tiers counts once). Returns the records counted."""
+        counted = 0
+        for key, owner, nbytes in records:
+            tenant = self.by_owner.get(owner)
+            if tenant is not None and key not in tenant.held:
+                tenant.hold(key, nbytes)
+                counted += 1
+        return counted
+
+
+def _owner_tag(name: str, base: bytes) -> int:
+    tag = int.from_bytes(hashlib.blake2b(name.encode(), key=base, digest_size=4,
+                                         person=b"kvstore-owner").digest(), "little")
+    return tag or 1   # 0 means "no owner" (records of in-process stores)
+
+
+def load_key_secret(config: DaemonConfig) -> bytes:
+    """The daemon's key secret: ``key_secret`` if configured, else the one kept
+    in the state directory (made at first start: 32 random bytes, mode 0600,
+    written atomically), else a random one for this process's life."""
+    if config.key_secret:
+        return config.key_secret.encode()
+    state = config.state_path
+    if state is None:
+        if config.store.redis_url:
+            log.warning("no state directory and no key_secret: tenants' Redis blocks are unreachable "
+                        "after a restart (set key_secret, or state_dir)")
+        return secrets.token_bytes(32)
+    os.makedirs(state, mode=0o700, exist_ok=True)
+    path = os.path.join(state, SECRET_NAME)
+    try:
+        return _read_secret(path)
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)        # never replaces a secret another start made meanwhile
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return _read_secret(path)
+
+
+def _read_secret(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077:
+            log.warning("%s was readable by others (mode %o); made 0600", path, st.st_mode & 0o777)
+            os.fchmod(fd, 0o600)
+        raw = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(raw) < 32:
+        raise ConfigError(f"{path} holds no key secret (remove it to have a new one made: every "
+                          "tenant's stored blocks become unreachable)")
+    return raw
