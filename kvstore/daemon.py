@@ -64,9 +64,10 @@ from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_DEGRADED_FOR_S = 5.0        # /health says degraded this long after the last sign of trouble
+_DEGRADED_FOR_S = 2.0        # /health says degraded this long after the last sign of trouble
 _FD_RESERVE = 64             # descriptors kept for the store, the metrics server and logging
 _SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
+_KEEP_SCRATCH = 64 << 20     # a receive buffer up to this size is kept for the next request (a batch)
 
 
 class Daemon:
@@ -230,6 +231,8 @@ class Daemon:
                         return
                 finally:
                     conn.busy = False
+                    if conn.scratch.nbytes > _KEEP_SCRATCH:   # one big request: do not keep its buffer
+                        conn.drop_scratch()
                     self._busy -= 1
                     if self._busy == 0:
                         self._idle.set()

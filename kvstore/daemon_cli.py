@@ -19,7 +19,8 @@ from kvstore.errors import KVStoreError
               help="Daemon config JSON (store, listeners, tenants with tokens and quotas).")
 @click.option("--unix", "unix_path", default=None, help="Unix socket path, e.g. /run/kvstore.sock.")
 @click.option("--tcp-port", type=int, default=None, help="Also listen on TCP (127.0.0.1 unless --host).")
-@click.option("--host", "tcp_host", default=None, help="TCP and metrics address [127.0.0.1].")
+@click.option("--host", "tcp_host", default=None,
+              help="TCP address [127.0.0.1] (metrics stay on 127.0.0.1 unless the config sets metrics_host).")
 @click.option("--metrics-port", type=int, default=None, help="HTTP /metrics (Prometheus) and /health.")
 @click.option("--dram", "dram_bytes", default=None, help="DRAM tier size, e.g. 8GiB.")
 @click.option("--nvme", "nvme_bytes", default=None, help="NVMe tier size, e.g. 200GiB.")

@@ -31,7 +31,7 @@ _SIZES = ("max_request_bytes", "tenant_buffer_bytes", "shm_segment_bytes")
 @dataclass(frozen=True, slots=True)
 class DaemonLimits:
     auth_timeout_s: float = 5.0          # from accept to a HELLO that authenticates
-    idle_timeout_s: float = 300.0        # between requests of an authenticated connection
+    idle_timeout_s: float = 60.0         # between requests of an authenticated connection
     request_timeout_s: float = 60.0      # to receive one request's body, and to send its reply
     max_preauth_connections: int = 64    # connections that have not authenticated yet
     max_connections_per_tenant: int = 64

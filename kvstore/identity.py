@@ -122,8 +122,8 @@ class CacheIdentity:
                      "chat_template_revision", "mm_processor_version", "cache_salt"):
             _text(name, getattr(self, name))
         if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) \
-                or not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+                or not 0 < self.rope_theta < float("inf"):
+            raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
         for size, rank in (("tp_size", "tp_rank"), ("pp_size", "pp_stage")):
             _positive_int(size, getattr(self, size))
             r = getattr(self, rank)
@@ -174,8 +174,13 @@ class CacheIdentity:
         if not isinstance(data, Mapping):
             raise ConfigError("identity must be a JSON object")
         data = dict(data)
+        if not all(isinstance(k, str) for k in data):
+            raise ConfigError("identity field names must be strings")
         layout_fields = {f.name for f in dataclasses.fields(KVLayout)}
-        layout_data = dict(data.pop("layout", {}) or {})
+        layout_raw = data.pop("layout", {}) or {}
+        if not isinstance(layout_raw, Mapping) or not all(isinstance(k, str) for k in layout_raw):
+            raise ConfigError("layout must be an object of layout fields")
+        layout_data = dict(layout_raw)
         for name in list(data):
             if name in layout_fields:
                 layout_data[name] = data.pop(name)
@@ -193,9 +198,9 @@ class CacheIdentity:
             raise ConfigError(f"unknown layout field(s): {', '.join(unknown_layout)}")
         if "extra" in data:
             extra = data["extra"]
-            if not isinstance(extra, Mapping):
+            if not isinstance(extra, Mapping) or not all(isinstance(v, str) for v in extra.values()):
                 raise ConfigError("extra must be an object of string values")
-            data["extra"] = tuple(sorted((str(k), str(v)) for k, v in extra.items()))
+            data["extra"] = tuple(sorted((str(k), v) for k, v in extra.items()))
         if "model_id" not in data:
             raise ConfigError("identity is missing model_id")
         try:
@@ -207,8 +212,8 @@ class CacheIdentity:
     def from_json(cls, text: str | bytes) -> "CacheIdentity":
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"identity is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:   # ValueError: bad JSON, bad UTF-8
+            raise ConfigError(f"identity is not valid JSON: {exc}"[:300]) from None
         return cls.from_dict(data)
 
 

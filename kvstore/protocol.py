@@ -107,7 +107,7 @@ def frame(op: int, req_id: int, meta: dict[str, Any], payload_len: int = 0,
     return pack_header(op, req_id, len(body), payload_len, status) + body
 
 
-def unpack_meta(buf: bytes | memoryview) -> dict[str, Any]:
+def unpack_meta(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Decode metadata; anything but a map with string keys is a ProtocolError."""
     try:
         meta = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True)

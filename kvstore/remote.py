@@ -119,8 +119,9 @@ class _Connection:
             raise
         self.tenant: str = hello.get("tenant", "")
         self.shm_ok = bool(cfg.shm and hello.get("shm"))
-        limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
-        self.shm_max = _positive(limits.get("shm_segment_bytes"), cfg.max_batch_bytes)
+        limits = hello.get("limits")
+        self.shm_max = _positive(limits.get("shm_segment_bytes") if isinstance(limits, dict) else None,
+                                 cfg.max_batch_bytes)
 
     def call(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
              on_payload: Callable[[dict, int], None] | None = None,

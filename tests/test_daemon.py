@@ -533,3 +533,22 @@ def test_daemon_config_validation(tmp_path):
     cfg = DaemonConfig.from_dict({"store": {"dram_bytes": "1MiB"}, "unix_path": "/x",
                                   "tenants": [{"name": "t", "token": "12345678", "quota_bytes": "2MiB"}]})
     assert cfg.tenants[0].quota_bytes == 2 << 20
+
+
+def test_a_lookup_of_200000_keys_answers_as_the_in_process_store_does(served):
+    """It failed with ProtocolError (its metadata was over the frame limit):
+    the client splits it, and the daemon counts it as one request."""
+    keys = block_keys(IDENT, range(16 * 200_000))
+    _, blocks = blocks_for(90, n=5)
+    store = served.daemon.store
+    with client(served.url) as c:
+        c.put(IDENT, keys[:5], blocks)
+        before = (store.stats.lookups, store.stats.probes)
+        remote = c.lookup(keys, followup=0.5)
+    with open_store(StoreConfig(dram_bytes=8 * BB)) as local:
+        local.put(IDENT, keys[:5], blocks)
+        here = local.lookup(keys)
+    assert remote.prefix_blocks == here.prefix_blocks == 5
+    assert len(remote.tiers) == len(here.tiers) == 200_000
+    assert remote.tiers == here.tiers and remote.reasons == here.reasons
+    assert (store.stats.lookups - before[0], store.stats.probes - before[1]) == (1, 3)

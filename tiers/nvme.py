@@ -228,7 +228,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         if self.config.read_only:
             return
         newest = next(reversed(self._segments.values()), None)
-        if newest is not None and newest.framing.seal is not None and newest.size < self._seg_limit:
+        if newest is not None and newest.framing.seal is not None and not newest.frozen \
+                and newest.size < self._seg_limit:
             self._active = newest   # appends go on where they stopped (never into a version-1 file)
         while self._used > self._capacity and self._segments:  # capacity shrank since last run
             self._evict(self._oldest())
@@ -239,13 +240,21 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         (not a regular file, or created just before a crash: no segment header)."""
         path = os.path.join(self.config.path, name)
         ro = self.config.read_only
-        try:   # O_NONBLOCK: a FIFO named *.seg must not hang the open; O_NOFOLLOW: no links
-            fd = os.open(path, (os.O_RDONLY if ro else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK)
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK   # a FIFO named *.seg must not hang the open
+        fd = -1
+        try:
+            fd = os.open(path, (os.O_RDONLY if ro else os.O_RDWR) | flags)
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and not ro:
+                # a read-only file (or disk): its blocks are still served; nothing is
+                # appended to it, it is never truncated, and eviction may fail to unlink it
+                fd = os.open(path, os.O_RDONLY | flags)
+                frozen = True
+                log.warning("%s: %s is read-only (%s); serving it read-only", self.name, path, exc.strerror)
+            elif exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise
-            fd = -1
+        else:
+            frozen = ro
         st = os.fstat(fd) if fd >= 0 else None
         if st is None or not stat.S_ISREG(st.st_mode):
             if fd >= 0:
@@ -257,21 +266,21 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         framing = read_framing(fd, size)
         if framing is None and (framing := recover_framing(fd, size)) is not None:
             log.warning("%s: %s had a damaged segment header; its seal was recovered from the first "
-                        "record%s", self.name, path, "" if ro else " and the header rewritten")
-            if not ro:
+                        "record%s", self.name, path, "" if frozen else " and the header rewritten")
+            if not frozen:
                 os.pwrite(fd, pack_segment_header(framing), 0)
         if framing is None:   # torn segment header, no record after it: nothing acknowledged
             self.headless.append(name)
             self.counters.torn_bytes += size
             log.warning("%s: %s has no intact segment header (%d bytes)%s", self.name, path, size,
-                        "" if ro else "; removed")
-            if ro:
+                        "" if frozen else "; removed")
+            if frozen:
                 return Segment(sid, path, fd, Framing(None), size)   # kept for check() to report
             os.close(fd)
             os.unlink(path)
             return None
         res = scan_segment(fd, size, framing)
-        if res.end < size and not ro:  # a torn tail: an append the crash cut short
+        if res.end < size and not frozen:  # a torn tail: an append the crash cut short
             os.ftruncate(fd, res.end)
             if self._fsync:
                 os.fsync(fd)
@@ -281,7 +290,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
             self.counters.skipped_bytes += end - start
             log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
         # read-only: the torn tail stays, and is counted, so check() reports it
-        seg = Segment(sid, path, fd, framing, size if ro else res.end)
+        seg = Segment(sid, path, fd, framing, size if frozen else res.end)
+        seg.frozen = frozen and not ro
         for off, head in res.records:
             self._apply(seg, off, head)
         return seg

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import struct
 import zlib
@@ -50,6 +51,7 @@ from kvstore.keys import BlockKey
 from kvstore.record import FLAG_CHECKSUM, FLAG_TOMBSTONE, HEADER_BYTES, MAGIC, RecordHeader, \
     checksum, unpack_header
 
+log = logging.getLogger("kvstore.tiers.nvme")
 SUFFIX = ".seg"
 IOV_MAX = 1024            # Linux's UIO_MAXIOV: at most this many buffers per pwritev
 _RESYNC_CHUNK = 1 << 20   # bytes read at a time while looking for the next good header
@@ -168,7 +170,7 @@ class Segment:
     """
 
     __slots__ = ("id", "path", "fd", "framing", "size", "live_bytes", "keys", "dead", "tombs", "pruned",
-                 "pins", "writing", "retired", "dir_synced")
+                 "pins", "writing", "retired", "dir_synced", "frozen")
 
     def __init__(self, seg_id: int, path: str, fd: int, framing: Framing, size: int) -> None:
         self.id = seg_id
@@ -185,6 +187,7 @@ class Segment:
         self.writing = 0
         self.retired = False
         self.dir_synced = True   # False for a freshly created file until its directory is fsynced
+        self.frozen = False      # opened read-only (the file or disk refused writes): never appended to
 
     def __repr__(self) -> str:
         return f"Segment({self.id:#x}, size={self.size}, live={self.live_bytes}, retired={self.retired})"
@@ -214,6 +217,8 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:   # a read-only directory: the file stays, forgotten; it comes back on reopen
+            log.warning("cannot unlink %s: %s", self.path, exc.strerror)
         if self.pins == 0:
             self._close()
 

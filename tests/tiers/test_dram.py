@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from kvstore.errors import ConfigError, InvalidBlock
+from kvstore.errors import ConfigError
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
 from kvstore.tiers.dram import DramConfig, DramTier

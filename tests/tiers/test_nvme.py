@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvstore.record import HEADER_BYTES
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
-from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEAL_BYTES, SEGMENT_HEADER_BYTES
+from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
 
 from .contract import BLOCK, TierContract
 

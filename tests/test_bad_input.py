@@ -1,0 +1,139 @@
+"""Bad input gets a typed error and leaves the store as it was (issue 13, item 9).
+
+Configuration parsers take whatever JSON a user (or an engine's extra
+config) hands them; identities arrive from clients over the daemon's wire.
+Every failure must be a :class:`ConfigError` (a KVStoreError), never a
+TypeError, UnicodeDecodeError or RecursionError; numbers must be finite.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.config import StoreConfig
+from kvstore.daemon_config import DaemonConfig, TenantSpec
+from kvstore.daemon_limits import DaemonLimits
+from kvstore.errors import ConfigError, InvalidBlock
+from kvstore.factory import open_store
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import PutOutcome
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramConfig, DramTier
+from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+
+IDENT = CacheIdentity("bad-input-model", KVLayout(2, 2, 64, 16, dtype="float16"))
+GOOD_ID = {"model_id": "m/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16,
+           "dtype": "float16"}
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
+                         st.text(max_size=20), st.sampled_from(["8GiB", "0", "-1", "1e400", "inf"]))
+json_values = st.recursive(json_scalars, lambda kids: st.one_of(
+    st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=12), kids, max_size=5)), max_leaves=25)
+
+
+def field_dicts(fields: list[str]) -> st.SearchStrategy:
+    """Dicts of the parser's own field names (and a few others), any JSON values."""
+    names = st.one_of(st.sampled_from(fields), st.text(max_size=8))
+    return st.dictionaries(names, json_values, max_size=len(fields) + 2)
+
+
+PARSERS = {
+    "store": (StoreConfig.from_dict, [f for f in StoreConfig.__dataclass_fields__]),
+    "daemon": (DaemonConfig.from_dict, [f for f in DaemonConfig.__dataclass_fields__]),
+    "limits": (DaemonLimits.from_dict, [f for f in DaemonLimits.__dataclass_fields__]),
+    "tenant": (TenantSpec.from_dict, [f for f in TenantSpec.__dataclass_fields__]),
+    "identity": (CacheIdentity.from_dict, [f for f in CacheIdentity.__dataclass_fields__]
+                 + [f for f in KVLayout.__dataclass_fields__] + ["block_size"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_config_parsers_fail_only_with_config_errors(name, data):
+    parse, fields = PARSERS[name]
+    value = data.draw(st.one_of(field_dicts(fields), json_values))
+    try:
+        parse(value)
+    except ConfigError:
+        pass
+
+
+def deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe{not utf-8", deep(100_000).encode(), b'{"a": ', b"[1, 2]"],
+                         ids=["not-utf8", "too-deep", "truncated", "not-an-object"])
+def test_config_files_fail_with_config_errors(tmp_path, body):
+    path = tmp_path / "cfg.json"
+    path.write_bytes(body)
+    for load in (StoreConfig.from_file, DaemonConfig.from_file):
+        with pytest.raises(ConfigError):
+            load(str(path))
+    with pytest.raises(ConfigError):
+        CacheIdentity.from_json(body)
+
+
+@pytest.mark.parametrize("theta", [math.inf, -math.inf, math.nan, 0.0, -1.0])
+def test_a_non_finite_rope_theta_is_a_config_error_not_a_json_crash(theta):
+    with pytest.raises(ConfigError, match="rope_theta"):
+        IDENT.replace(rope_theta=theta)
+    with pytest.raises(ConfigError, match="rope_theta"):
+        CacheIdentity.from_json(json.dumps({**GOOD_ID, "rope_theta": theta}))
+
+
+def test_kvstore_keys_names_a_non_finite_rope_theta(tmp_path):
+    ident, toks = tmp_path / "id.json", tmp_path / "t.json"
+    ident.write_text(json.dumps({**GOOD_ID, "rope_theta": math.inf}))   # json writes Infinity
+    toks.write_text(json.dumps(list(range(40))))
+    r = subprocess.run([sys.executable, "-m", "kvstore", "keys", "--identity", str(ident), "--tokens", str(toks)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "rope_theta" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_block_larger_than_a_dram_page_goes_to_the_next_tier(tmp_path):
+    """Before, the whole put failed with InvalidBlock (and the store would have
+    evicted all of DRAM trying to make room for it)."""
+    big = CacheIdentity("big-blocks", KVLayout(4, 4, 64, 32, dtype="float16"))      # 128 KiB
+    assert big.layout.block_bytes == 128 << 10 and IDENT.layout.block_bytes == 16 << 10
+
+    async def main():
+        dram = DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=64 << 10, pinned="no"))
+        nvme = NvmeTier(NvmeConfig(tmp_path, 8 << 20, background_compaction=False))
+        store = TieredStore([dram, nvme])
+        keep = block_keys(IDENT, range(32))
+        assert await store.aput(IDENT, keep, [np.ones(16 << 10, np.uint8)] * 2) == [PutOutcome.STORED] * 2
+        k = block_keys(big, range(32))
+        assert await store.aput(big, k, [np.full(128 << 10, 7, np.uint8)]) == [PutOutcome.STORED]
+        assert await nvme.contains(k[0]) and not await dram.contains(k[0])
+        assert await dram.contains_many(keep) == [True, True], "DRAM was emptied for a block it cannot hold"
+        assert store.stats.tier("dram").evictions == 0
+        got = await store.aget(big, k)
+        assert got[0] is not None and (got[0] == 7).all()
+        await store.aclose()
+    asyncio.run(main())
+
+
+def test_a_buffer_of_another_dtype_is_refused_in_process_and_by_the_client(tmp_path):
+    keys = block_keys(IDENT, range(16 * 2))
+    wrong = [np.zeros(IDENT.layout.block_bytes // 4, np.float32)] * 2     # right size, wrong type
+    right = [np.zeros(IDENT.layout.block_bytes // 2, np.float16)] * 2
+    with open_store(StoreConfig(dram_bytes=1 << 20)) as s:
+        with pytest.raises(InvalidBlock, match="dtype"):
+            s.put(IDENT, keys, wrong)
+        assert s.lookup(keys).prefix_blocks == 0
+        assert s.put(IDENT, keys, right) == [PutOutcome.STORED] * 2
+    from kvstore.remote import RemoteConfig, RemoteStore
+    with RemoteStore(RemoteConfig("unix:///nonexistent/kv.sock", "token-12345")) as r:
+        with pytest.raises(InvalidBlock, match="dtype"):      # refused before anything is sent
+            r.put(IDENT, keys, wrong)

@@ -1,0 +1,272 @@
+"""What one peer may cost a real ``kvstore serve``: memory, descriptors and
+time are bounded per peer and per tenant (issue 13, items 5 and 6).
+
+Each test is an attack or fault that cost the daemon before: a peer that
+never authenticates, idle and excess sockets past the descriptor limit, one
+request for the same block 1,500 times, a million pins, a hung Redis.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.errors import Overloaded
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import PutOutcome
+from kvstore.protocol import STATUS_ERROR, Op, frame, pack_header
+from tests.served import Served
+from tests.test_daemon_isolation import IDENT, TOK_EVE, TOK_VICTIM, blocks_for, config, hello, ident_bytes, reply
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = CacheIdentity("bounds-model", KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_tokens=16,
+                                             dtype="float16"))   # 512 KiB blocks
+
+
+def health(d: Served) -> tuple[int, str]:
+    url = f"http://127.0.0.1:{d.config['metrics_port']}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def closed_within(s: socket.socket, seconds: float) -> bool:
+    """Whether the daemon closes ``s`` within ``seconds`` (an error reply first is fine)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            if s.recv(65536) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+def test_an_unauthenticated_peer_gets_one_small_frame_and_a_few_seconds(tmp_path):
+    """A peer that never sent a token pushed 1 GiB of RSS per connection (its
+    frame's payload was allocated before the token was checked)."""
+    d = Served(tmp_path, config(tmp_path, limits={"auth_timeout_s": 1.0})).start(TOK_VICTIM)
+    try:
+        base = d.rss_mib()
+        peers = []
+        for _ in range(8):
+            for head in (pack_header(Op.HELLO, 1, 10, 1 << 30),      # a HELLO with a 1 GiB payload
+                         pack_header(Op.HELLO, 1, 1 << 20, 0),       # a 1 MiB HELLO
+                         pack_header(Op.PUT, 1, 20, 64 << 20)):      # a PUT before any HELLO
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(d.config["unix_path"])
+                s.sendall(head)
+                peers.append(s)
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
+        for s in silent:
+            s.connect(d.config["unix_path"])
+        t0 = time.monotonic()
+        assert all(closed_within(s, 5) for s in peers)
+        assert all(closed_within(s, 5) for s in silent)
+        assert time.monotonic() - t0 < 4, "a silent peer must be dropped after auth_timeout_s"
+        assert d.rss_mib() < base + 64, (base, d.rss_mib())
+        with d.client(TOK_VICTIM) as c:
+            assert c.ping()["ok"]
+    finally:
+        d.close()
+
+
+def test_an_idle_connection_is_closed_and_clients_reconnect_by_themselves(tmp_path):
+    d = Served(tmp_path, config(tmp_path, limits={"idle_timeout_s": 0.5})).start(TOK_VICTIM)
+    try:
+        s = hello(d, TOK_EVE)
+        assert closed_within(s, 5)
+        keys, blocks = blocks_for(20)
+        with d.client(TOK_VICTIM) as c:
+            assert c.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 6
+            time.sleep(1.0)                                   # its pooled connection is closed
+            assert c.lookup(keys).prefix_blocks == 6           # ... and replaced
+    finally:
+        d.close()
+
+
+def _raise_own_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
+
+
+@pytest.mark.parametrize("nofile, max_connections, sockets, reason", [
+    (1024, None, 1100, "connection limit"),      # the limit follows the descriptor limit
+    (160, 10_000, 300, "accept: Too many open files"),   # configured past it: accept hits EMFILE
+], ids=["limit", "emfile"])
+def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, nofile, max_connections,
+                                                                    sockets, reason):
+    """1,100 idle sockets under a 1,024 descriptor limit ended the accept loop
+    for good (an uncaught EMFILE) while /health still said ok."""
+    _raise_own_fd_limit(sockets + 200)
+    cfg = config(tmp_path, limits={"auth_timeout_s": 2.0})
+    if max_connections is not None:   # configured past the descriptors: nothing refuses before accept fails
+        cfg["max_connections"] = max_connections
+        cfg["limits"]["max_preauth_connections"] = max_connections
+    d = Served(tmp_path, cfg, nofile=nofile).start(TOK_VICTIM)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(sockets):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(d.config["unix_path"])
+            except (BlockingIOError, ConnectionRefusedError, OSError):
+                pass
+            held.append(s)
+        time.sleep(0.5)
+        status, text = health(d)
+        assert status == 503 and reason in text, (status, text)
+        assert d.alive()
+        for s in held:
+            s.close()
+        held.clear()
+        deadline = time.monotonic() + 15
+        while True:                                          # degraded clears once the flood is gone
+            try:
+                with d.client(TOK_VICTIM, timeout_s=2) as c:
+                    ok = c.ping()["ok"]
+                if ok and health(d)[0] == 200:
+                    break
+            except Exception:   # noqa: BLE001 - still shedding: retry
+                pass
+            assert time.monotonic() < deadline, (health(d), d.log()[-2000:])
+            time.sleep(0.25)
+        assert d.alive()
+    finally:
+        for s in held:
+            s.close()
+        d.close()
+
+
+def test_one_request_for_the_same_block_many_times_is_bounded(tmp_path):
+    """One connection asking for the same 512 KiB block 1,500 times grew the
+    daemon's RSS from 72 MiB to 823 MiB: a request's bytes are bounded."""
+    d = Served(tmp_path, config(tmp_path, store={"dram_bytes": "64MiB"})).start(TOK_VICTIM)
+    try:
+        key = block_keys(BIG, range(16))[0]
+        with d.client(TOK_EVE) as eve:
+            assert eve.put(BIG, [key], [np.ones(BIG.layout.block_bytes, np.uint8)]) == [PutOutcome.STORED]
+        base = d.rss_mib()
+        s = hello(d, TOK_EVE)
+        ident = json.dumps(BIG.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        for _ in range(3):
+            s.sendall(frame(Op.GET, 5, {"identity": ident, "keys": [key] * 1500}))
+            status, meta, _ = reply(s)
+            assert status == STATUS_ERROR and meta["error"] == "InvalidBlock" and "limit" in meta["message"]
+        s.sendall(frame(Op.PING, 6, {}))                       # the connection is still good
+        assert reply(s)[0] == 0
+        assert d.rss_mib() < base + 64, (base, d.rss_mib())
+    finally:
+        d.close()
+
+
+def test_pins_are_capped_in_number_and_in_time(tmp_path):
+    """A million pins with infinite TTL grew RSS by 120 MiB and held space for
+    ever. Pins are counted per tenant, and no pin outlives max_pin_ttl_s."""
+    limits = {"max_pins_per_tenant": 100_000, "max_pin_ttl_s": 60}
+    d = Served(tmp_path, config(tmp_path, limits=limits)).start(TOK_VICTIM)
+    try:
+        base = d.rss_mib()
+        refused = 0
+        with d.client(TOK_EVE) as eve:
+            for n in range(16):                                # a million keys in 16 requests
+                keys = block_keys(IDENT, range(n * 65536 * 16, (n + 1) * 65536 * 16))
+                try:
+                    assert eve.pin(keys, float("inf")) == 60.0
+                except Overloaded:
+                    refused += 1
+            assert refused == 15 and eve.stats()["tenant"]["pins"] == 65536
+            with d.client(TOK_VICTIM) as victim:              # another tenant's pins are its own
+                assert victim.pin(block_keys(IDENT, range(16 * 10)), 5.0) == 5.0
+        assert d.rss_mib() < base + 96, (base, d.rss_mib())
+    finally:
+        d.close()
+
+
+def test_connections_per_tenant_are_capped(tmp_path):
+    d = Served(tmp_path, config(tmp_path, limits={"max_connections_per_tenant": 3})).start(TOK_VICTIM)
+    try:
+        mine = [hello(d, TOK_EVE) for _ in range(3)]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(d.config["unix_path"])
+        s.sendall(frame(Op.HELLO, 1, {"token": TOK_EVE}))
+        status, meta, _ = reply(s)
+        assert status == STATUS_ERROR and meta["error"] == "Overloaded", meta
+        assert closed_within(s, 5)
+        with d.client(TOK_VICTIM) as victim:                  # another tenant still gets in
+            assert victim.ping()["ok"]
+        mine[0].close()
+        time.sleep(0.2)
+        hello(d, TOK_EVE).close()                             # a slot freed by a close
+    finally:
+        d.close()
+
+
+@pytest.mark.redis
+def test_a_hung_redis_behind_the_daemon_costs_a_caller_under_a_second(tmp_path, redis_server_factory):
+    """A Redis SIGSTOPped for 6 s made one caller wait 20 s."""
+    server = redis_server_factory()
+    cfg = config(tmp_path, store={"dram_bytes": "64KiB", "nvme_bytes": 0, "nvme_path": None,
+                                  "redis_url": server.url, "redis_bytes": "64MiB"},
+                 key_secret="a-fixed-secret-for-tests")
+    d = Served(Path(tmp_path), cfg).start(TOK_VICTIM)
+    try:
+        keys, blocks = blocks_for(30, n=12)
+        with d.client(TOK_VICTIM) as c:
+            c.put(IDENT, keys, blocks)
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                worst, t_end = 0.0, time.monotonic() + 4
+                while time.monotonic() < t_end:
+                    for call in (lambda: c.lookup(keys), lambda: c.get(IDENT, keys),
+                                 lambda: c.put(IDENT, keys[6:], blocks[6:])):
+                        t0 = time.monotonic()
+                        call()
+                        worst = max(worst, time.monotonic() - t0)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            assert worst < 1.0, f"a caller waited {worst:.2f}s on a hung Redis"
+            time.sleep(1.2)
+            got = c.get(IDENT, keys)
+            assert sum(g is not None for g in got) >= 6
+    finally:
+        d.close()
+
+
+def test_health_reports_ok_normally(daemon):
+    assert health(daemon) == (200, "ok\n")
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Served(tmp_path, config(tmp_path)).start(TOK_VICTIM)
+    yield d
+    d.close()
+
+
+def test_identity_json_is_bounded(daemon):
+    s = hello(daemon, TOK_EVE)
+    big = b'{"model_id": "' + b"x" * (64 << 10) + b'"}'
+    s.sendall(frame(Op.GET, 2, {"identity": big, "keys": []}))
+    status, meta, _ = reply(s)
+    assert status == STATUS_ERROR and "identity" in meta["message"]
+    s.sendall(frame(Op.GET, 3, {"identity": ident_bytes(), "keys": []}))
+    assert reply(s)[0] == 0
