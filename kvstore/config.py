@@ -69,16 +69,7 @@ class StoreConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StoreConfig":
-        if not isinstance(data, Mapping):
-            raise ConfigError("store config must be an object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown store config field(s): {', '.join(unknown)}; known: {sorted(known)}")
-        values = dict(data)
-        for name in _SIZE_FIELDS:
-            if name in values:
-                values[name] = parse_size(values[name])
+        values = config_values(cls, data, "store config", sizes=_SIZE_FIELDS)
         try:
             return cls(**values)
         except TypeError as exc:
@@ -87,6 +78,23 @@ class StoreConfig:
     @classmethod
     def from_file(cls, path: str) -> "StoreConfig":
         return cls.from_dict(read_config_file(path, "store config"))
+
+
+def config_values(cls: type, data: object, what: str, sizes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``data`` as keyword arguments for the dataclass ``cls``: an object of
+    its own field names only (else ConfigError naming ``what``), with the
+    ``sizes`` fields parsed from "8GiB"-style strings."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{what} must be an object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what} field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    values = dict(data)
+    for name in sizes:
+        if name in values:
+            values[name] = parse_size(values[name])
+    return values
 
 
 def read_config_file(path: str, what: str) -> Any:

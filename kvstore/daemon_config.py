@@ -5,15 +5,13 @@ Tenancy itself (re-keying, namespaces, quotas) is :mod:`kvstore.daemon_tenants`.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import StoreConfig, read_config_file
+from kvstore.config import StoreConfig, config_values, read_config_file
 from kvstore.daemon_limits import DaemonLimits
 from kvstore.errors import ConfigError
-from kvstore.units import parse_size
 
 ANONYMOUS = "default"   # the tenant of every client when no tenants are configured
 
@@ -50,17 +48,9 @@ class TenantSpec:
 
     @classmethod
     def from_dict(cls, data: object) -> TenantSpec:
-        if not isinstance(data, Mapping):
-            raise ConfigError("each tenant must be an object with name and token")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown tenant field(s): {', '.join(unknown)}")
-        if "name" not in data or "token" not in data:
+        values = config_values(cls, data, "tenant", sizes=("quota_bytes",))
+        if "name" not in values or "token" not in values:
             raise ConfigError("a tenant needs a name and a token")
-        values = dict(data)
-        if "quota_bytes" in values:
-            values["quota_bytes"] = parse_size(values["quota_bytes"])
         if "uids" in values:
             if not isinstance(values["uids"], (list, tuple)):
                 raise ConfigError(f"tenant {values['name']!r}: uids must be a list of user ids")
@@ -153,13 +143,7 @@ class DaemonConfig:
         a list of ``{"name", "token", "quota_bytes", "admin", "uids"}`` (sizes
         may be "8GiB"), ``limits`` a DaemonLimits dict. Every error is a
         ConfigError."""
-        if not isinstance(data, Mapping):
-            raise ConfigError("daemon config must be an object")
-        values = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown daemon config field(s): {', '.join(unknown)}")
+        values = config_values(cls, data, "daemon config")
         values["store"] = StoreConfig.from_dict(values.get("store", {}))
         tenants = values.get("tenants", ()) or ()
         if not isinstance(tenants, (list, tuple)):

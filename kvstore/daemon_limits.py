@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.config import config_values
 from kvstore.errors import ConfigError
-from kvstore.units import parse_size
 
 _SIZES = ("max_request_bytes", "tenant_buffer_bytes", "shm_segment_bytes")
 
@@ -54,14 +54,4 @@ class DaemonLimits:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DaemonLimits:
-        if not isinstance(data, Mapping):
-            raise ConfigError("daemon.limits must be an object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown daemon.limits field(s): {', '.join(unknown)}")
-        values = dict(data)
-        for name in _SIZES:
-            if name in values:
-                values[name] = parse_size(values[name])
-        return cls(**values)
+        return cls(**config_values(cls, data, "daemon.limits", sizes=_SIZES))

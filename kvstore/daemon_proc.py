@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +34,31 @@ class DaemonProc:
     ``store`` is the daemon's StoreConfig dict; its ``nvme_path`` defaults
     to ``root/nvme``. The socket lives in ``root`` unless that path would be
     too long for a Unix socket, then in a fresh short temporary directory.
+    ``config`` (a whole daemon config dict) replaces what ``tenant`` and
+    ``store`` would build; ``token`` is then the one ``start`` pings with.
+    ``nofile`` runs the daemon under that descriptor limit; ``prefix`` runs
+    it through a command (``nsenter ...``, ``setpriv ...``).
     """
 
     def __init__(self, root: Path, token: str, tenant: str = "tenant-a",
-                 store: dict[str, Any] | None = None) -> None:
+                 store: dict[str, Any] | None = None, *, config: dict[str, Any] | None = None,
+                 nofile: int | None = None, prefix: Sequence[str] = ()) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.token = token
-        sock = root / "kv.sock"
-        if len(str(sock).encode()) > SUN_PATH_MAX:
-            sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
-        self.url = f"unix://{sock}"
-        self.config = {"store": {"nvme_path": str(root / "nvme"), **(store or {})},
-                       "unix_path": str(sock),
-                       # admin: the harness reads the whole store's counters (tier hits, ...)
-                       "tenants": [{"name": tenant, "token": token, "admin": True}]}
+        if config is None:
+            sock = root / "kv.sock"
+            if len(str(sock).encode()) > SUN_PATH_MAX:
+                sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
+            config = {"store": {"nvme_path": str(root / "nvme"), **(store or {})},
+                      "unix_path": str(sock),
+                      # admin: the harness reads the whole store's counters (tier hits, ...)
+                      "tenants": [{"name": tenant, "token": token, "admin": True}]}
+        self.config = config
+        self.url = f"unix://{config['unix_path']}"
         self.config_path = root / "daemon.json"
-        self.config_path.write_text(json.dumps(self.config))
+        self.nofile = nofile
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -59,20 +69,32 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def client(self, timeout_s: float = 10.0) -> RemoteStore:
-        return RemoteStore(RemoteConfig(self.url, self.token, timeout_s=timeout_s, shm=False))
+    def client(self, token: str | None = None, *, timeout_s: float = 10.0, shm: bool = False,
+               **kw: Any) -> RemoteStore:
+        return RemoteStore(RemoteConfig(self.url, token or self.token, timeout_s=timeout_s, shm=shm, **kw))
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("kvstore serve is not running")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout_s: float = 30.0) -> DaemonProc:
         """Spawn the daemon and return once it answers a ping (blocking)."""
         if self.proc is not None:
             raise RuntimeError("kvstore serve is already running")
         self.starts += 1
+        self.config_path.write_text(json.dumps(self.config))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root))
+                [*self.prefix, sys.executable, "-m", "kvstore", "serve", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=str(self.root),
+                preexec_fn=_descriptor_limit(self.nofile) if self.nofile else None)
         deadline = time.monotonic() + timeout_s
-        with self.client() as c:
+        with self.client(timeout_s=2.0) as c:
             while True:
                 if self.proc.poll() is not None:
                     rc, self.proc = self.proc.returncode, None
@@ -120,3 +142,10 @@ class DaemonProc:
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """The daemon store's per-tier counters (hits, puts, used_bytes, ...)."""
         return self.stats()["tiers"]
+
+
+def _descriptor_limit(n: int) -> Callable[[], None]:
+    """A preexec function setting the child's descriptor limit (soft and hard) to ``n``."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return limit

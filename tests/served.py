@@ -1,85 +1,18 @@
-"""A real ``kvstore serve`` process for attack and fault tests: any daemon
-config, started as a deployment starts it (``python -m kvstore serve
---config``), killed with SIGKILL or stopped with SIGTERM, restarted on the
-same paths; optionally with a lower descriptor limit, or inside a private
-mount namespace (a small tmpfs the test can fill up or make read-only).
+"""A real ``kvstore serve`` process for attack and fault tests (any daemon
+config, a lower descriptor limit, a command prefix: kvstore.daemon_proc),
+and a private mount namespace holding a small tmpfs the test can fill up.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import resource
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
-from kvstore.errors import TierUnavailable
-from kvstore.remote import RemoteConfig, RemoteStore
+from kvstore.daemon_proc import DaemonProc
 
 
-class Served:
-    def __init__(self, root: Path, config: dict[str, Any], *, nofile: int | None = None,
-                 prefix: list[str] | None = None) -> None:
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        self.config = config
-        self.nofile = nofile
-        self.prefix = prefix or []
-        self.url = f"unix://{config['unix_path']}"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / f"daemon-{self.starts}.log"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def client(self, token: str, *, shm: bool = False, timeout_s: float = 10.0, **kw) -> RemoteStore:
-        return RemoteStore(RemoteConfig(self.url, token, timeout_s=timeout_s, shm=shm, **kw))
-
-    def start(self, token: str, timeout_s: float = 30.0) -> Served:
-        """Spawn and wait until ``token``'s client gets a ping back."""
-        assert self.proc is None, "already running"
-        self.starts += 1
-        path = self.root / "daemon.json"
-        path.write_text(json.dumps(self.config))
-        nofile = self.nofile
-
-        def limit() -> None:   # in the child, before exec
-            if nofile is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvstore", "serve", "--config",
-                                          str(path)], stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=str(self.root), preexec_fn=limit)
-        deadline = time.monotonic() + timeout_s
-        with self.client(token, timeout_s=2) as c:
-            while True:
-                if self.proc.poll() is not None:
-                    rc, self.proc = self.proc.returncode, None
-                    raise AssertionError(f"kvstore serve exited with {rc}:\n{self.log()[-4000:]}")
-                try:
-                    c.ping()
-                    return self
-                except TierUnavailable:
-                    if time.monotonic() > deadline:
-                        self.kill()
-                        raise AssertionError(f"kvstore serve did not answer:\n{self.log()[-4000:]}") from None
-                    time.sleep(0.05)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+class Served(DaemonProc):
+    """A DaemonProc with any config, and what attack tests look at: its memory."""
 
     def rss_mib(self) -> float:
         """The daemon's resident memory (the process itself, not its children)."""
@@ -87,29 +20,6 @@ class Served:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         raise AssertionError("no VmRSS")
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash (idempotent)."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(20)
-            self.proc = None
-
-    def stop(self) -> int:
-        """SIGTERM: a graceful drain; returns the exit status."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(30)
-        finally:
-            self.kill()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.alive():
-                self.stop()
-        self.kill()
 
 
 class MountNamespace:

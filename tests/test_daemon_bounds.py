@@ -60,7 +60,7 @@ def closed_within(s: socket.socket, seconds: float) -> bool:
 def test_an_unauthenticated_peer_gets_one_small_frame_and_a_few_seconds(tmp_path):
     """A peer that never sent a token pushed 1 GiB of RSS per connection (its
     frame's payload was allocated before the token was checked)."""
-    d = Served(tmp_path, config(tmp_path, limits={"auth_timeout_s": 1.0})).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits={"auth_timeout_s": 1.0})).start()
     try:
         base = d.rss_mib()
         peers = []
@@ -87,7 +87,7 @@ def test_an_unauthenticated_peer_gets_one_small_frame_and_a_few_seconds(tmp_path
 
 
 def test_an_idle_connection_is_closed_and_clients_reconnect_by_themselves(tmp_path):
-    d = Served(tmp_path, config(tmp_path, limits={"idle_timeout_s": 0.5})).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits={"idle_timeout_s": 0.5})).start()
     try:
         s = hello(d, TOK_EVE)
         assert closed_within(s, 5)
@@ -119,7 +119,7 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
     if max_connections is not None:   # configured past the descriptors: nothing refuses before accept fails
         cfg["max_connections"] = max_connections
         cfg["limits"]["max_preauth_connections"] = max_connections
-    d = Served(tmp_path, cfg, nofile=nofile).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=cfg, nofile=nofile).start()
     held: list[socket.socket] = []
     try:
         for _ in range(sockets):
@@ -158,7 +158,7 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
 def test_one_request_for_the_same_block_many_times_is_bounded(tmp_path):
     """One connection asking for the same 512 KiB block 1,500 times grew the
     daemon's RSS from 72 MiB to 823 MiB: a request's bytes are bounded."""
-    d = Served(tmp_path, config(tmp_path, store={"dram_bytes": "64MiB"})).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, store={"dram_bytes": "64MiB"})).start()
     try:
         key = block_keys(BIG, range(16))[0]
         with d.client(TOK_EVE) as eve:
@@ -181,7 +181,7 @@ def test_pins_are_capped_in_number_and_in_time(tmp_path):
     """A million pins with infinite TTL grew RSS by 120 MiB and held space for
     ever. Pins are counted per tenant, and no pin outlives max_pin_ttl_s."""
     limits = {"max_pins_per_tenant": 100_000, "max_pin_ttl_s": 60}
-    d = Served(tmp_path, config(tmp_path, limits=limits)).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits=limits)).start()
     try:
         base = d.rss_mib()
         refused = 0
@@ -201,7 +201,7 @@ def test_pins_are_capped_in_number_and_in_time(tmp_path):
 
 
 def test_connections_per_tenant_are_capped(tmp_path):
-    d = Served(tmp_path, config(tmp_path, limits={"max_connections_per_tenant": 3})).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits={"max_connections_per_tenant": 3})).start()
     try:
         mine = [hello(d, TOK_EVE) for _ in range(3)]
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -227,7 +227,7 @@ def test_a_hung_redis_behind_the_daemon_costs_a_caller_under_a_second(tmp_path, 
     cfg = config(tmp_path, store={"dram_bytes": "64KiB", "nvme_bytes": 0, "nvme_path": None,
                                   "redis_url": server.url, "redis_bytes": "64MiB"},
                  key_secret="a-fixed-secret-for-tests")
-    d = Served(Path(tmp_path), cfg).start(TOK_VICTIM)
+    d = Served(Path(tmp_path), TOK_VICTIM, config=cfg).start()
     try:
         keys, blocks = blocks_for(30, n=12)
         with d.client(TOK_VICTIM) as c:
@@ -257,7 +257,7 @@ def test_health_reports_ok_normally(daemon):
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Served(tmp_path, config(tmp_path)).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     yield d
     d.close()
 

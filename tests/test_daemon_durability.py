@@ -82,7 +82,7 @@ def test_every_put_acknowledged_under_fsync_survives_sigkill(tmp_path):
     """The default policy puts into DRAM first; under fsync the put is also
     written through to NVMe and acknowledged only then."""
     cfg = config(tmp_path, store={"nvme_durability": "fsync", "nvme_bytes": "256MiB", "dram_bytes": "16MiB"})
-    d = Served(tmp_path, cfg).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=cfg).start()
     try:
         results: list[dict] = [{}, {}]
         stop = threading.Event()
@@ -96,7 +96,7 @@ def test_every_put_acknowledged_under_fsync_survives_sigkill(tmp_path):
         for w in writers:
             w.join(30)
         assert sum(len(r) for r in results) > 200, "too few puts were answered before the kill"
-        d.start(TOK_VICTIM)
+        d.start()
         verify(d, TOK_VICTIM, results[0])
         with d.client(TOK_EVE) as eve:             # the second tenant's, checked the same way
             keys = keys_for(10_000, 10_000 + 1400)
@@ -120,14 +120,14 @@ def test_a_full_disk_answers_no_space_and_loses_nothing_acknowledged(tmp_path):
     try:
         cfg = config(tmp_path, store={"nvme_path": str(ns.path / "nvme"), "nvme_bytes": "256MiB",
                                       "nvme_durability": "fsync", "dram_bytes": "8MiB"})
-        d = Served(tmp_path, cfg, prefix=ns.prefix).start(TOK_VICTIM)
+        d = Served(tmp_path, TOK_VICTIM, config=cfg, prefix=ns.prefix).start()
         try:
             acked = put_until(d, TOK_VICTIM, 1400, 16)
             outcomes = set(acked.values())
             assert PutOutcome.NO_SPACE in outcomes and PutOutcome.STORED in outcomes, outcomes
             assert outcomes <= ACKED | {PutOutcome.NO_SPACE, PutOutcome.UNAVAILABLE}
             d.kill()
-            d.start(TOK_VICTIM)
+            d.start()
             verify(d, TOK_VICTIM, acked)
         finally:
             d.close()
@@ -152,7 +152,7 @@ def test_read_only_segment_files_answer_unavailable_and_lose_nothing_acknowledge
     (permissions back) lose nothing that was acknowledged."""
     cfg = config(tmp_path, store={"nvme_bytes": "48MiB", "nvme_durability": "fsync",
                                   "nvme_segment_bytes": "1MiB", "dram_bytes": "8MiB"})
-    d = Served(tmp_path, cfg, prefix=drops_dac_override()).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=cfg, prefix=drops_dac_override()).start()
     nvme = tmp_path / "nvme"
     try:
         before = put_until(d, TOK_VICTIM, 100, 8)
@@ -164,7 +164,7 @@ def test_read_only_segment_files_answer_unavailable_and_lose_nothing_acknowledge
         got = set(after.values())
         assert PutOutcome.UNAVAILABLE in got and got <= ACKED | {PutOutcome.UNAVAILABLE}, got
         d.kill()
-        d.start(TOK_VICTIM)                       # restarted on the read-only files: it serves them
+        d.start()                       # restarted on the read-only files: it serves them
         verify(d, TOK_VICTIM, {**before, **after})
         more = put_until(d, TOK_VICTIM, 20, 8, offset=400)
         assert set(more.values()) == {PutOutcome.UNAVAILABLE}, set(more.values())
@@ -172,7 +172,7 @@ def test_read_only_segment_files_answer_unavailable_and_lose_nothing_acknowledge
         nvme.chmod(0o700)
         for p in nvme.iterdir():
             p.chmod(0o600)
-        d.start(TOK_VICTIM)
+        d.start()
         verify(d, TOK_VICTIM, {**before, **after})
     finally:
         nvme.chmod(0o700)

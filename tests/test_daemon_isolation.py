@@ -59,7 +59,7 @@ def config(tmp: Path, **over) -> dict:
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Served(tmp_path, config(tmp_path)).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     yield d
     d.close()
 
@@ -209,7 +209,7 @@ def test_a_huge_segment_is_refused_and_big_ones_do_not_stall_other_tenants(tmp_p
     loop: other tenants stalled 0.7-6.5 s. Segments are capped per connection
     and per tenant, and made off the loop."""
     limits = {"shm_segment_bytes": "128MiB", "tenant_buffer_bytes": "400MiB"}   # 3 segments + requests
-    d = Served(tmp_path, config(tmp_path, limits=limits)).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits=limits)).start()
     try:
         s = hello(d, TOK_EVE)
         s.sendall(frame(Op.SHM_ATTACH, 2, {"size": 2 << 30}))
@@ -300,7 +300,7 @@ def test_a_payload_posing_as_another_tenants_record_is_never_served(tmp_path):
     its bytes to the victim as hits. The attacker here even knows the
     victim's server keys and owner tag (read from the daemon's secret)."""
     cfg = config(tmp_path, store={"dram_bytes": 0})        # puts go straight to NVMe
-    d = Served(tmp_path, cfg).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=cfg).start()
     try:
         keys, blocks = blocks_for(4, n=2)
         stored, wanted = keys                               # one stored, one the victim will ask for
@@ -328,7 +328,7 @@ def test_a_payload_posing_as_another_tenants_record_is_never_served(tmp_path):
         at = data.index(bytes(attack[:BB])) - FRAME_HEAD_BYTES
         data[at:at + FRAME_HEAD_BYTES] = bytes(FRAME_HEAD_BYTES)   # ... tore the attacker's header
         seg.write_bytes(bytes(data))
-        d.start(TOK_VICTIM)
+        d.start()
         with d.client(TOK_VICTIM) as victim:
             got = victim.get(IDENT, [stored, wanted])
             assert got[0] is not None and np.array_equal(got[0], blocks[0]), "the victim got forged bytes"
@@ -339,7 +339,7 @@ def test_a_payload_posing_as_another_tenants_record_is_never_served(tmp_path):
 
 # -- 3. keys that cannot be computed, metrics that name no one -----------------------------
 def test_the_key_secret_is_random_private_and_kept_with_the_data(tmp_path):
-    d = Served(tmp_path, config(tmp_path)).start(TOK_VICTIM)
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     try:
         keys, blocks = blocks_for(5)
         with d.client(TOK_VICTIM) as victim:
@@ -349,7 +349,7 @@ def test_the_key_secret_is_random_private_and_kept_with_the_data(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o600
         secret = path.read_bytes().strip()
         assert len(secret) == 64 and int(secret, 16)
-        d.start(TOK_VICTIM)                                # the same secret: the blocks stay reachable
+        d.start()                                # the same secret: the blocks stay reachable
         with d.client(TOK_VICTIM) as victim:
             assert victim.lookup(keys).prefix_blocks == 6
         assert path.read_bytes().strip() == secret
@@ -362,7 +362,7 @@ def test_the_key_secret_is_random_private_and_kept_with_the_data(tmp_path):
     finally:
         d.close()
     other = tmp_path / "other"
-    d2 = Served(other, config(other)).start(TOK_VICTIM)
+    d2 = Served(other, TOK_VICTIM, config=config(other)).start()
     try:
         assert (other / "nvme" / SECRET_NAME).read_bytes().strip() != secret
     finally:
@@ -399,7 +399,7 @@ def test_a_quota_holds_across_sigkill_restarts(tmp_path):
     quota = 8
     cfg = config(tmp_path, store={"nvme_durability": "fsync"})
     cfg["tenants"][1]["quota_bytes"] = quota * BB
-    d = Served(tmp_path, cfg).start(TOK_EVE)
+    d = Served(tmp_path, TOK_EVE, config=cfg).start()
     try:
         for round_ in range(3):
             keys, blocks = blocks_for(10 + round_, n=quota)
@@ -410,7 +410,7 @@ def test_a_quota_holds_across_sigkill_restarts(tmp_path):
             assert stored == (quota if round_ == 0 else 0), (round_, outs)
             assert used == quota * BB
             d.kill()
-            d.start(TOK_EVE)
+            d.start()
         with d.client(TOK_EVE) as eve:
             assert eve.stats()["tenant"]["used_bytes"] == quota * BB
             held = sum(eve.lookup(blocks_for(10 + r, n=quota)[0]).prefix_blocks for r in range(3))
