@@ -120,8 +120,9 @@ class _Connection:
         self.tenant: str = hello.get("tenant", "")
         self.shm_ok = bool(cfg.shm and hello.get("shm"))
         limits = hello.get("limits")
-        self.shm_max = _positive(limits.get("shm_segment_bytes") if isinstance(limits, dict) else None,
-                                 cfg.max_batch_bytes)
+        limits = limits if isinstance(limits, dict) else {}
+        self.shm_max = _positive(limits.get("shm_segment_bytes"), cfg.max_batch_bytes)
+        self.max_request = _positive(limits.get("max_request_bytes"), cfg.max_batch_bytes)
 
     def call(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
              on_payload: Callable[[dict, int], None] | None = None,
@@ -229,6 +230,7 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
         self._closed = False
+        self._max_request: int | None = None    # the daemon's request limit, learnt from its HELLO
 
     @classmethod
     def from_store_config(cls, cfg: StoreConfig) -> RemoteStore:
@@ -245,9 +247,11 @@ class RemoteStore:
             if self._idle:
                 return self._idle.pop(), True
         try:
-            return _Connection(self.config), False
+            conn = _Connection(self.config)
         except OSError as exc:
             raise TierUnavailable(f"kvstore daemon at {self.config.url} unreachable: {exc}") from exc
+        self._max_request = conn.max_request
+        return conn, False
 
     def _release(self, conn: _Connection) -> None:
         with self._lock:
@@ -291,8 +295,13 @@ class RemoteStore:
 
     def _chunks(self, n: int, nbytes: int = 0) -> list[range]:
         """Requests for ``n`` keys of ``nbytes`` blocks: at most max_batch_bytes
-        and at most the protocol's MAX_KEYS keys each."""
-        per = min(MAX_KEYS, max(1, self.config.max_batch_bytes // max(nbytes, 1)))
+        (and the daemon's own request limit) and at most MAX_KEYS keys each."""
+        batch = self.config.max_batch_bytes
+        if nbytes:
+            if self._max_request is None:   # learn it once: the connection made here is pooled
+                self._with_conn(lambda c: None)
+            batch = min(batch, self._max_request or batch)
+        per = min(MAX_KEYS, max(1, batch // max(nbytes, 1)))
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     # -- the store API --------------------------------------------------------------

@@ -552,3 +552,19 @@ def test_a_lookup_of_200000_keys_answers_as_the_in_process_store_does(served):
     assert len(remote.tiers) == len(here.tiers) == 200_000
     assert remote.tiers == here.tiers and remote.reasons == here.reasons
     assert (store.stats.lookups - before[0], store.stats.probes - before[1]) == (1, 3)
+
+
+def test_the_client_splits_batches_to_what_the_daemon_takes(tmp_path):
+    """A client batching 1 GiB per request against a daemon that takes 64 KiB
+    requests: it learns the limit from the daemon's HELLO and splits."""
+    from kvstore.daemon_limits import DaemonLimits
+    d = ThreadDaemon(daemon_config(tmp_path, limits=DaemonLimits(max_request_bytes=4 * BB)))
+    try:
+        keys, blocks = blocks_for(95, n=12)
+        with client(d.url, max_batch_bytes=1 << 30) as c:
+            assert c.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 12
+            got = c.get(IDENT, keys)
+            assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, blocks))
+        assert d.daemon.requests["PUT"] == 3 and d.daemon.requests["GET"] == 3
+    finally:
+        d.stop()
