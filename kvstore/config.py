@@ -43,8 +43,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 62:
+                raise ConfigError(f"{name} must be a non-negative int below 2**62, got {repr(v)[:40]}")
         if self.nvme_bytes and not self.nvme_path:
             raise ConfigError("nvme_bytes given without nvme_path")
         if self.nvme_durability not in ("none", "fsync"):

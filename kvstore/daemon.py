@@ -40,12 +40,12 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kvstore.daemon_config import DaemonConfig
 from kvstore.daemon_conn import Conn
 from kvstore.daemon_metrics import MetricsServer
-from kvstore.daemon_ops import Handlers
+from kvstore.daemon_ops import Handlers, Reply
 from kvstore.daemon_tenants import Tenant, TenantTable, load_key_secret
 from kvstore.errors import AuthFailed, KVStoreError, Overloaded, ProtocolError
 from kvstore.protocol import (
@@ -110,13 +110,16 @@ class Daemon:
         counted = self.tenants.rebuild(store.iter_owners())
         try:
             if config.unix_path:
-                self._listen(_unix_listener(config.unix_path, config.unix_mode))
+                self._listen(_unix_listener(config.unix_path, config.unix_mode), self._admit, _shed)
             if config.tcp_port is not None:
                 sock = socket.create_server((config.tcp_host, config.tcp_port), reuse_port=False)
                 self.tcp_port = sock.getsockname()[1]
-                self._listen(sock)
+                self._listen(sock, self._admit, _shed)
             if config.metrics_port is not None:
-                self.metrics = await MetricsServer.start(config.metrics_host, config.metrics_port, self)
+                sock = socket.create_server((config.metrics_host, config.metrics_port), reuse_port=False)
+                self.metrics = metrics = MetricsServer(sock, self)
+                # out of descriptors, a scrape is still served, on the spare one
+                self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
         except BaseException:
             await self._close_listeners()
             await store.aclose()
@@ -142,14 +145,19 @@ class Daemon:
         return (False, "degraded: " + "; ".join(reasons)) if reasons else (True, "ok")
 
     # -- accepting ---------------------------------------------------------------------
-    def _listen(self, sock: socket.socket) -> None:
+    def _listen(self, sock: socket.socket, admit: Callable[[socket.socket, object], None],
+                on_spare: Callable[[socket.socket, Callable[[], None]], None]) -> None:
         sock.setblocking(False)
         self._listeners.append(sock)
-        self._accepts.append(asyncio.get_running_loop().create_task(self._accept(sock)))
+        self._accepts.append(asyncio.get_running_loop().create_task(self._accept(sock, admit, on_spare)))
 
-    async def _accept(self, listener: socket.socket) -> None:
-        """Accept for ever. Out of descriptors: shed the pending connection (with
-        the spare descriptor), report degraded, back off, go on."""
+    async def _accept(self, listener: socket.socket, admit: Callable[[socket.socket, object], None],
+                      on_spare: Callable[[socket.socket, Callable[[], None]], None]) -> None:
+        """Accept for ever, handing each connection to ``admit``. Out of
+        descriptors: report degraded, accept one pending connection on the
+        spare descriptor and give it to ``on_spare`` (the data listeners shed
+        it, so its client hears a reset instead of waiting in the backlog;
+        the metrics listener answers it), back off, go on."""
         loop = asyncio.get_running_loop()
         backoff = 0.01
         while True:
@@ -159,7 +167,7 @@ class Daemon:
                 if exc.errno in _OUT_OF_FDS:
                     self.degrade(f"accept: {os.strerror(exc.errno)}")
                     log.warning("accept: %s; backing off %.2fs", os.strerror(exc.errno), backoff)
-                    self._shed(listener)
+                    self._accept_on_spare(listener, on_spare)
                     await asyncio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
@@ -167,20 +175,30 @@ class Daemon:
                     continue
                 raise
             backoff = 0.01
-            self._admit(loop, sock, addr)
+            try:
+                admit(sock, addr)
+            except Exception:   # noqa: BLE001 - whatever went wrong with one peer, accept the next
+                log.exception("accept: could not admit a connection from %s", addr)
+                sock.close()
 
-    def _shed(self, listener: socket.socket) -> None:
-        """Accept one pending connection and close it at once, on the spare
-        descriptor, so its client hears a reset instead of waiting in the backlog."""
-        if self._spare_fd >= 0:
-            os.close(self._spare_fd)
-            self._spare_fd = -1
-        with contextlib.suppress(OSError):
+    def _accept_on_spare(self, listener: socket.socket,
+                         on_spare: Callable[[socket.socket, Callable[[], None]], None]) -> None:
+        if self._spare_fd < 0:
+            return   # in use (a scrape being answered on it)
+        os.close(self._spare_fd)
+        self._spare_fd = -1
+        try:
             sock, _ = listener.accept()
-            sock.close()
-        self._spare_fd = _spare()
+        except OSError:
+            self._restore_spare()
+            return
+        on_spare(sock, self._restore_spare)
 
-    def _admit(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: object) -> None:
+    def _restore_spare(self) -> None:
+        if self._spare_fd < 0:
+            self._spare_fd = _spare()
+
+    def _admit(self, sock: socket.socket, addr: object) -> None:
         if len(self._conns) >= self.max_connections or self.preauth >= self.config.limits.max_preauth_connections:
             self.degrade("connection limit reached")
             sock.close()   # refuse rather than queue: the client sees a reset and retries
@@ -198,7 +216,7 @@ class Daemon:
             return
         conn = Conn(sock, f"pid {creds[0]} uid {creds[1]}" if creds else str(addr), creds)
         self.preauth += 1
-        task = loop.create_task(self._serve_conn(conn))
+        task = asyncio.get_running_loop().create_task(self._serve_conn(conn))
         self._conns[task] = conn
         task.add_done_callback(self._conns.pop)
 
@@ -223,19 +241,16 @@ class Daemon:
                     log.info("connection %s: %s; closing it", conn.peer,
                              "idle too long" if conn.tenant else "no HELLO in time")
                     return
-                self._busy += 1
-                self._idle.clear()
                 conn.busy = True
                 try:
-                    if not await self._request(loop, conn, header):
+                    # a peer not yet authenticated has until its auth deadline for the whole frame
+                    body_s = limits.request_timeout_s if conn.tenant else max(0.0, auth_deadline - self.clock())
+                    if not await self._request(loop, conn, header, body_s):
                         return
                 finally:
                     conn.busy = False
                     if conn.scratch.nbytes > _KEEP_SCRATCH:   # one big request: do not keep its buffer
                         conn.drop_scratch()
-                    self._busy -= 1
-                    if self._busy == 0:
-                        self._idle.set()
         except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.debug("connection %s dropped: %s", conn.peer, exc)
         except asyncio.CancelledError:
@@ -250,8 +265,10 @@ class Daemon:
                 self.preauth -= 1
             conn.close()
 
-    async def _request(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: bytearray) -> bool:
-        """Serve one request whose header has arrived. False: close the connection."""
+    async def _request(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: bytearray,
+                       body_s: float) -> bool:
+        """Serve one request whose header has arrived; its body must arrive
+        within ``body_s``. False: close the connection."""
         op, req_id = header[5], 0  # for an error reply before the header parses
         limits = self.config.limits
         ten = conn.tenant
@@ -265,7 +282,7 @@ class Daemon:
             if ten is not None and meta_len > _SMALL_META:   # a big request's metadata counts while served
                 ten.take_buffer(meta_len, limits.tenant_buffer_bytes)
                 held_meta = meta_len
-            async with asyncio.timeout(limits.request_timeout_s):
+            async with asyncio.timeout(body_s):
                 meta_buf = bytearray(meta_len)
                 await _recv_into(loop, conn.sock, memoryview(meta_buf))
                 payload = self.buffer_for(conn, payload_len) if payload_len else memoryview(b"")
@@ -278,7 +295,7 @@ class Daemon:
             except ValueError:
                 raise ProtocolError(f"unknown opcode {op}") from None
             self.requests[op.name] += 1
-            reply, blocks, fds = await self.handlers.handle(conn, op, meta, payload)
+            reply, blocks, fds = await self._serving(self.handlers.handle(conn, op, meta, payload))
         except (ProtocolError, AuthFailed) as exc:
             self.errors += 1
             log.warning("connection %s: %s; closing it", conn.peer, exc)
@@ -305,6 +322,18 @@ class Daemon:
             for fd in fds:
                 os.close(fd)
         return True
+
+    async def _serving(self, handled: Awaitable[Reply]) -> Reply:
+        """Await a handler, counted as in flight: a drain waits for these (not
+        for a peer still sending its request, or not reading its reply)."""
+        self._busy += 1
+        self._idle.clear()
+        try:
+            return await handled
+        finally:
+            self._busy -= 1
+            if self._busy == 0:
+                self._idle.set()
 
     async def _send_error(self, loop: asyncio.AbstractEventLoop, conn: Conn, op: int, req_id: int,
                           exc: KVStoreError) -> None:
@@ -403,6 +432,12 @@ def _unix_listener(path: str, mode: int) -> socket.socket:
         sock.close()
         raise KVStoreError(f"--unix {path}: {exc.strerror or exc}") from exc
     return sock
+
+
+def _shed(sock: socket.socket, done: Callable[[], None]) -> None:
+    """What a data listener does with a connection accepted on the spare descriptor."""
+    sock.close()
+    done()
 
 
 def _spare() -> int:

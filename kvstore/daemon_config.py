@@ -120,10 +120,10 @@ class DaemonConfig:
         tokens = [t.token for t in self.tenants]
         if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
             raise ConfigError("tenant names and tokens must be unique")
-        for name in ("max_connections", "socket_buffer_bytes"):
-            v = getattr(self, name)
-            if not (v is None and name == "max_connections") and (not _is_int(v) or v < 1):
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if self.max_connections is not None and (not _is_int(self.max_connections) or self.max_connections < 1):
+            raise ConfigError(f"max_connections must be a positive int, got {self.max_connections!r}")
+        if not _is_int(self.socket_buffer_bytes) or not 4096 <= self.socket_buffer_bytes <= 1 << 30:
+            raise ConfigError(f"socket_buffer_bytes must be an int in [4096, 1GiB], got {self.socket_buffer_bytes!r}")
         if isinstance(self.drain_timeout_s, bool) or not isinstance(self.drain_timeout_s, (int, float)) \
                 or not 0 <= self.drain_timeout_s < float("inf"):
             raise ConfigError("drain_timeout_s must be a non-negative number")

@@ -2,6 +2,9 @@
 
 A tiny HTTP/1.0 responder on asyncio streams: a scrape is a few KB every few
 seconds, so stream copies do not matter here (they do on the data path).
+Its connections come from the daemon's own accept loop, not asyncio's
+server (which, out of descriptors, logs a traceback per attempt and leaves
+/health unanswered).
 Rejected: prometheus_client (a dependency and a registry for ~15 series
 that are already counters on the store and the tenants).
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -95,23 +99,32 @@ def _store_families(family: Callable, daemon: Daemon) -> None:
 
 
 class MetricsServer:
-    """HTTP GET /metrics and /health on ``host:port`` (loop-bound)."""
+    """HTTP GET /metrics and /health on a listening socket whose connections
+    the daemon's accept loop hands over (``serve``), so /health answers even
+    while the daemon is out of descriptors (the loop serves it on its spare
+    one). Loop-bound."""
 
-    def __init__(self, server: asyncio.base_events.Server, daemon: Daemon) -> None:
-        self._server = server
+    def __init__(self, sock: socket.socket, daemon: Daemon) -> None:
+        self.sock = sock
         self.daemon = daemon
-        self.port: int = server.sockets[0].getsockname()[1]
+        self.port: int = sock.getsockname()[1]
+        self._tasks: set[asyncio.Task] = set()
 
-    @classmethod
-    async def start(cls, host: str, port: int, daemon: Daemon) -> MetricsServer:
-        holder: list[MetricsServer] = []
+    def serve(self, sock: socket.socket, done: Callable[[], None] | None = None) -> None:
+        """Answer one accepted connection in the background; ``done`` runs after."""
+        task = asyncio.get_running_loop().create_task(self._serve(sock))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if done is not None:
+            task.add_done_callback(lambda _: done())
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await holder[0]._handle(reader, writer)
-
-        server = await asyncio.start_server(handle, host, port)
-        holder.append(cls(server, daemon))
-        return holder[0]
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except OSError:
+            sock.close()
+            return
+        await self._handle(reader, writer)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -137,5 +150,7 @@ class MetricsServer:
                 await writer.wait_closed()
 
     async def close(self) -> None:
-        self._server.close()
-        await self._server.wait_closed()
+        """Finish the scrapes in flight (the daemon closes the listening socket)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

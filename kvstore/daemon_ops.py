@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon import Daemon
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
+_REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
 
 
 class Handlers:
@@ -85,8 +86,17 @@ class Handlers:
 
     # -- request parts ---------------------------------------------------------------
     @staticmethod
-    def _keys(ten: Tenant, meta: dict) -> list[BlockKey]:
-        return [ten.server_key(check_key(k)) for k in keys_field(meta)]
+    async def _keys(ten: Tenant, meta: dict) -> list[BlockKey]:
+        """The request's keys in the tenant's namespace. Re-keying costs ~1 us
+        a key on the loop, so a big request yields between slices: the other
+        tenants' requests go on meanwhile (a 16K-key lookup took 16 ms)."""
+        raw = keys_field(meta)
+        out: list[BlockKey] = []
+        for start in range(0, len(raw), _REKEY_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            out.extend(ten.server_key(check_key(k)) for k in raw[start:start + _REKEY_SLICE])
+        return out
 
     @staticmethod
     def _identity(conn: Conn, ten: Tenant, meta: dict) -> CacheIdentity:
@@ -130,7 +140,7 @@ class Handlers:
     async def _lookup(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         # the store checks the hint (InvalidHint goes back to the client as a typed error)
         probe = bool_field(meta, "probe")
-        res = await self.store.alookup(self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
+        res = await self.store.alookup(await self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
         if not probe:
             ten.lookup_blocks += len(res.tiers)
             ten.lookup_hit_blocks += res.prefix_blocks
@@ -139,7 +149,7 @@ class Handlers:
 
     async def _put(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         ident = self._identity(conn, ten, meta)
-        keys = self._keys(ten, meta)
+        keys = await self._keys(ten, meta)
         nbytes = BlockSpec.of(ident).nbytes
         views = self._views(conn, meta, len(keys), nbytes, payload)
         out: list[PutOutcome] = [PutOutcome.NO_SPACE] * len(keys)
@@ -184,7 +194,7 @@ class Handlers:
 
     async def _get(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
         ident = self._identity(conn, ten, meta)
-        keys = self._keys(ten, meta)
+        keys = await self._keys(ten, meta)
         nbytes = BlockSpec.of(ident).nbytes
         views = self._views(conn, meta, len(keys), nbytes, None)
         res = await self.store.aget_into(ident, keys, views, owner=ten.owner)
@@ -202,21 +212,21 @@ class Handlers:
         to = meta.get("to", 0)
         if isinstance(to, bool) or not isinstance(to, (str, int)) or (isinstance(to, str) and len(to) > 64):
             raise KVStoreError("prefetch target must be a tier name or index")
-        return {"moved": await self.store.aprefetch(self._keys(ten, meta), to)}
+        return {"moved": await self.store.aprefetch(await self._keys(ten, meta), to)}
 
     async def _pin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         ttl = meta.get("ttl_s")
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl) or not ttl > 0:
             raise KVStoreError(f"pin needs a positive ttl_s, got {ttl!r}"[:200])
         ttl = min(float(ttl), self.limits.max_pin_ttl_s)   # an infinite pin is granted the cap
-        keys = self._keys(ten, meta)
+        keys = await self._keys(ten, meta)
         now = self.store.clock()
         ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
         self.store.pin(keys, ttl)
         return {"ttl_s": ttl}
 
     async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
-        keys = self._keys(ten, meta)
+        keys = await self._keys(ten, meta)
         self.store.unpin(keys)
         ten.unpin(keys)
         return {}

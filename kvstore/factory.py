@@ -21,8 +21,8 @@ async def build_tiers(cfg: StoreConfig) -> list:
     except BaseException as exc:
         for tier in tiers:
             await tier.close()
-        if isinstance(exc, OSError):
-            raise ConfigError(f"cannot open a tier: {exc}") from exc
+        if isinstance(exc, (OSError, MemoryError, OverflowError)):   # a path, or more memory than there is
+            raise ConfigError(f"cannot open a tier: {exc or type(exc).__name__}") from exc
         raise
     return tiers
 

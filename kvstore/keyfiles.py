@@ -9,21 +9,13 @@ whose ``extras[i]`` lists the media overlapping sealed block i.
 from __future__ import annotations
 
 import dataclasses
-import json
 
+from kvstore.config import read_config_file
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, MediaRef, block_keys
 
-
-def _load(path: str, what: str) -> object:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what} {path} is not valid JSON: {exc}") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
+_load = read_config_file    # every failure (unreadable, not UTF-8, not JSON, too deep) is a ConfigError
 
 
 def parse_extras(raw: object) -> list[list[MediaRef]]:

@@ -7,6 +7,7 @@ failed copy cannot leave a reference behind (use ``transfer()``).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -17,21 +18,46 @@ from kvstore.keys import BlockKey
 
 
 class Leases:
+    """Pins expire by themselves: every ``pin`` sweeps the expired ones (a heap
+    of expiries), so pins of keys nobody asks about again cannot pile up.
+    Rejected: dropping an expired pin only when it is next looked at (pins
+    of keys never stored were never looked at: a tenant pinning fresh keys
+    with tiny TTLs grew the daemon by ~120 bytes a pin without bound)."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._pins: dict[BlockKey, float] = {}     # key -> expiry (clock units)
+        self._expiries: list[tuple[float, BlockKey]] = []   # heap; stale entries skipped
         self._refs: Counter = Counter()             # key -> in-flight transfers
 
     def pin(self, keys: Iterable[BlockKey], ttl_s: float) -> None:
         if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
             raise KVStoreError(f"a pin needs a positive ttl, got {ttl_s!r}")
-        expiry = self._clock() + ttl_s
+        now = self._clock()
+        expiry = now + ttl_s
         for k in keys:
-            self._pins[k] = max(expiry, self._pins.get(k, 0.0))
+            if expiry > self._pins.get(k, 0.0):
+                self._pins[k] = expiry
+                heapq.heappush(self._expiries, (expiry, k))
+        self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expiry, k = heapq.heappop(heap)
+            if self._pins.get(k) == expiry:
+                del self._pins[k]
+        if len(heap) > 2 * len(self._pins) + 1024:   # re-pins and unpins left stale entries
+            self._expiries = [(e, k) for k, e in self._pins.items()]
+            heapq.heapify(self._expiries)
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         for k in keys:
             self._pins.pop(k, None)
+
+    def __len__(self) -> int:
+        """Pins held (some may have expired since the last sweep)."""
+        return len(self._pins)
 
     def is_pinned(self, key: BlockKey) -> bool:
         expiry = self._pins.get(key)

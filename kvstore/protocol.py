@@ -42,8 +42,11 @@ MAGIC = b"KVSD"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHQIQ")
 HEADER_SIZE = HEADER.size          # 28
-MAX_KEYS = 1 << 16                 # keys per request: 1M tokens of 16-token blocks
-MAX_META_BYTES = 4 << 20           # MAX_KEYS 32-byte keys (2.2 MB), or their lookup reply, with room
+# keys per request: 256K tokens of 16-token blocks. Bounded for fairness too: a request's
+# keys are decoded and re-keyed on the daemon's loop (~1.5 ms per 1,000), so one tenant's
+# huge lookup would hold up every other tenant's requests; clients split bigger ones.
+MAX_KEYS = 1 << 14
+MAX_META_BYTES = 1 << 20           # MAX_KEYS 32-byte keys (557 KB), or their lookup reply, with room
 PREAUTH_META_BYTES = 4096          # a HELLO: nothing bigger is read from a peer with no tenant yet
 MAX_IDENTITY_BYTES = 16 << 10      # an identity's JSON
 MAX_PAYLOAD_BYTES = 1 << 31        # one request; the daemon sets a lower limit

@@ -16,9 +16,12 @@ client truncated afterwards), and ``F_SEAL_WRITE`` (the client must write
 its PUT payloads into the segment; what it writes there is only ever its
 own block's bytes).
 
-Blocking: :func:`create_segment` allocates and populates the pages (one
-kernel call, but proportional to the size): the daemon runs it on a worker
-thread, never on its event loop.
+Blocking: :func:`create_segment` allocates the pages (``posix_fallocate``,
+proportional to the size): the daemon runs it on a worker thread. It does
+not map them with MAP_POPULATE: CPython holds the GIL through ``mmap()``,
+so populating a 256 MiB segment there stalled the event loop (other
+tenants' requests) for the whole time; ``posix_fallocate`` releases it, and
+the daemon's later first touches are cheap minor faults on pages that exist.
 """
 from __future__ import annotations
 
@@ -40,13 +43,15 @@ def round_to_pages(nbytes: int) -> int:
 
 
 def create_segment(size: int) -> tuple[int, mmap.mmap]:
-    """A sealed anonymous segment of ``size`` bytes and the daemon's mapping of
-    it (blocking). The caller sends the fd, then closes it."""
+    """A sealed anonymous segment of ``size`` bytes, its pages allocated, and
+    the daemon's mapping of it (blocking, without holding the GIL for long).
+    The caller sends the fd, then closes it."""
     fd = os.memfd_create("kvstore-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a first touch later
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        return fd, populated_mmap(fd, size)
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except BaseException:
         os.close(fd)
         raise

@@ -137,3 +137,37 @@ def test_a_buffer_of_another_dtype_is_refused_in_process_and_by_the_client(tmp_p
     with RemoteStore(RemoteConfig("unix:///nonexistent/kv.sock", "token-12345")) as r:
         with pytest.raises(InvalidBlock, match="dtype"):      # refused before anything is sent
             r.put(IDENT, keys, wrong)
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe{", deep(50_000).encode(), b"1" * 5000],
+                         ids=["not-utf8", "too-deep", "int-too-long"])
+def test_kvstore_keys_gives_a_typed_error_for_unreadable_files(tmp_path, body):
+    good_id, good_toks = tmp_path / "id.json", tmp_path / "t.json"
+    good_id.write_text(json.dumps(GOOD_ID))
+    good_toks.write_text(json.dumps(list(range(40))))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(body)
+    for ident, toks in ((bad, good_toks), (good_id, bad)):
+        r = subprocess.run([sys.executable, "-m", "kvstore", "keys", "--identity", str(ident), "--tokens",
+                            str(toks)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("cfg", [{"store": {"dram_bytes": 10 ** 26}},
+                                 {"store": {"dram_bytes": "1MiB"}, "socket_buffer_bytes": 2 ** 40}],
+                         ids=["dram-beyond-any-machine", "socket-buffer-2TiB"])
+def test_absurd_sizes_are_config_errors_before_anything_starts(tmp_path, cfg):
+    with pytest.raises(ConfigError):
+        DaemonConfig.from_dict({**cfg, "unix_path": str(tmp_path / "s")})
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({**cfg, "unix_path": str(tmp_path / "s")}))
+    r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr[-500:]
+
+
+def test_memory_the_machine_does_not_have_is_a_config_error(tmp_path):
+    cfg = StoreConfig(dram_bytes=(1 << 62) - 4096)
+    with pytest.raises(ConfigError, match="cannot open a tier"):
+        with open_store(cfg):
+            pass

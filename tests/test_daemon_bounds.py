@@ -67,7 +67,8 @@ def test_an_unauthenticated_peer_gets_one_small_frame_and_a_few_seconds(tmp_path
         for _ in range(8):
             for head in (pack_header(Op.HELLO, 1, 10, 1 << 30),      # a HELLO with a 1 GiB payload
                          pack_header(Op.HELLO, 1, 1 << 20, 0),       # a 1 MiB HELLO
-                         pack_header(Op.PUT, 1, 20, 64 << 20)):      # a PUT before any HELLO
+                         pack_header(Op.PUT, 1, 20, 64 << 20),       # a PUT before any HELLO
+                         pack_header(Op.HELLO, 1, 4000, 0)):         # a HELLO whose body never comes
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(d.config["unix_path"])
                 s.sendall(head)
@@ -192,7 +193,7 @@ def test_pins_are_capped_in_number_and_in_time(tmp_path):
                     assert eve.pin(keys, float("inf")) == 60.0
                 except Overloaded:
                     refused += 1
-            assert refused == 15 and eve.stats()["tenant"]["pins"] == 65536
+            assert refused == 15 and 65536 <= eve.stats()["tenant"]["pins"] <= 100_000
             with d.client(TOK_VICTIM) as victim:              # another tenant's pins are its own
                 assert victim.pin(block_keys(IDENT, range(16 * 10)), 5.0) == 5.0
         assert d.rss_mib() < base + 96, (base, d.rss_mib())
@@ -230,6 +231,7 @@ def test_a_hung_redis_behind_the_daemon_costs_a_caller_under_a_second(tmp_path, 
     d = Served(Path(tmp_path), TOK_VICTIM, config=cfg).start()
     try:
         keys, blocks = blocks_for(30, n=12)
+        other = IDENT.replace(model_revision="other")
         with d.client(TOK_VICTIM) as c:
             c.put(IDENT, keys, blocks)
             server.proc.send_signal(signal.SIGSTOP)
@@ -237,7 +239,7 @@ def test_a_hung_redis_behind_the_daemon_costs_a_caller_under_a_second(tmp_path, 
                 worst, t_end = 0.0, time.monotonic() + 4
                 while time.monotonic() < t_end:
                     for call in (lambda: c.lookup(keys), lambda: c.get(IDENT, keys),
-                                 lambda: c.put(IDENT, keys[6:], blocks[6:])):
+                                 lambda: c.put(IDENT, keys[6:], blocks[6:]), lambda: c.invalidate(other)):
                         t0 = time.monotonic()
                         call()
                         worst = max(worst, time.monotonic() - t0)
@@ -270,3 +272,35 @@ def test_identity_json_is_bounded(daemon):
     assert status == STATUS_ERROR and "identity" in meta["message"]
     s.sendall(frame(Op.GET, 3, {"identity": ident_bytes(), "keys": []}))
     assert reply(s)[0] == 0
+
+
+def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_path):
+    """A request's keys are decoded and re-keyed on the daemon's loop: at most
+    MAX_KEYS per request bounds how long one tenant holds up the others
+    (65,536-key lookups on 4 connections held a PING for 100-330 ms)."""
+    import threading
+    from kvstore.protocol import MAX_KEYS
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
+    stop = threading.Event()
+    try:
+        keys = block_keys(IDENT, range(16 * MAX_KEYS))
+
+        def flood() -> None:
+            with d.client(TOK_EVE) as eve:
+                while not stop.is_set():
+                    eve.lookup(keys)
+        floods = [threading.Thread(target=flood) for _ in range(4)]
+        for t in floods:
+            t.start()
+        took = []
+        with d.client(TOK_VICTIM) as victim:
+            time.sleep(0.3)
+            for _ in range(60):
+                t0 = time.monotonic()
+                victim.ping()
+                took.append(time.monotonic() - t0)
+        took.sort()
+        assert took[len(took) // 2] < 0.05 and took[-3] < 0.25, took[-5:]
+    finally:
+        stop.set()
+        d.close()

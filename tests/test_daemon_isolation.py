@@ -206,9 +206,10 @@ def test_a_client_cannot_make_the_daemon_map_another_process_segment(daemon):
 
 def test_a_huge_segment_is_refused_and_big_ones_do_not_stall_other_tenants(tmp_path):
     """(c) a sparse 1-2 GiB segment made the daemon populate it on its event
-    loop: other tenants stalled 0.7-6.5 s. Segments are capped per connection
-    and per tenant, and made off the loop."""
-    limits = {"shm_segment_bytes": "128MiB", "tenant_buffer_bytes": "400MiB"}   # 3 segments + requests
+    loop: other tenants stalled 0.7-6.5 s (and, made on a worker thread but
+    mapped with MAP_POPULATE, which holds the GIL, still 0.1-1 s). Segments are
+    capped per connection and per tenant, and allocated without the GIL."""
+    limits = {"shm_segment_bytes": "256MiB", "tenant_buffer_bytes": "800MiB"}   # 3 segments + requests
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits=limits)).start()
     try:
         s = hello(d, TOK_EVE)
@@ -216,33 +217,33 @@ def test_a_huge_segment_is_refused_and_big_ones_do_not_stall_other_tenants(tmp_p
         status, meta, _ = reply(s)
         assert status == STATUS_ERROR and meta["error"] == "InvalidBlock", meta
         keys, blocks = blocks_for(3)
-        worst = []
+        took = []
         with d.client(TOK_VICTIM) as victim:
             victim.put(IDENT, keys, blocks)
-            conns, refused = [], 0
+            refused = []
 
             def grab() -> None:
-                nonlocal refused
-                for _ in range(4):
-                    c = hello(d, TOK_EVE)
-                    c.sendall(frame(Op.SHM_ATTACH, 2, {"size": 128 << 20}))
-                    fds: list[int] = []
-                    status, meta, _ = reply(c, fds)
-                    for fd in fds:
-                        os.close(fd)
-                    refused += status == STATUS_ERROR and meta["error"] == "Overloaded"
-                    conns.append(c)
+                conns = [hello(d, TOK_EVE) for _ in range(4)]
+                for _ in range(3):           # three rounds: every segment made again
+                    for c in conns:
+                        c.sendall(frame(Op.SHM_ATTACH, 2, {"size": 256 << 20}))
+                        fds: list[int] = []
+                        status, meta, _ = reply(c, fds)
+                        for fd in fds:
+                            os.close(fd)
+                        refused.append(status == STATUS_ERROR and meta["error"] == "Overloaded")
+                for c in conns:
+                    c.close()
             t = threading.Thread(target=grab)
             t.start()
             while t.is_alive():
                 t0 = time.monotonic()
-                assert victim.lookup(keys).prefix_blocks == 6
-                worst.append(time.monotonic() - t0)
+                victim.ping()
+                took.append(time.monotonic() - t0)
             t.join()
-            assert refused == 1, "the fourth 128 MiB segment is past eve's 400 MiB"
-            for c in conns:
-                c.close()
-        assert max(worst) < 0.5, f"a lookup of another tenant waited {max(worst):.2f}s"
+        assert refused[:4] == [False, False, False, True], "the fourth 256 MiB segment is past 800 MiB"
+        took.sort()
+        assert took[len(took) // 2] < 0.05 and took[-1] < 0.3, f"another tenant's ping waited {took[-3:]}"
         assert d.alive()
     finally:
         d.close()

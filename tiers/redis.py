@@ -263,7 +263,9 @@ class RedisTier(TierOps):
         return aredis.Redis.from_url(c.url, **kwargs)
 
     def _breaker(self, node: object) -> Breaker:
-        key = getattr(node, "name", "server")
+        return self._breaker_named(getattr(node, "name", "server"))
+
+    def _breaker_named(self, key: str) -> Breaker:
         b = self._breakers.get(key)
         if b is None:
             b = self._breakers[key] = Breaker(self._clock, self.config.backoff_base_s,
@@ -276,7 +278,7 @@ class RedisTier(TierOps):
             self._client = self._make_client()
         if self._ready_ok or not self.config.cluster:
             return self._client
-        breaker = self._breaker("cluster-init")
+        breaker = self._breaker_named("cluster-init")
         if not breaker.allow():
             return None
         try:
@@ -447,6 +449,8 @@ class RedisTier(TierOps):
         after the call returns.
         """
         keys, views = check_batch(spec, keys, payloads, writable=False)
+        if self._unlink_owed:   # bytes the ledger counts only until these go out: try now (the
+            await self.delete_many(list(self._unlink_owed))   # breaker answers at once while down)
         out: list[PutOutcome | None] = [None] * len(keys)
         sends, reserved, seen = [], 0, set()
         for i, (key, view) in enumerate(zip(keys, views)):
@@ -589,9 +593,12 @@ class RedisTier(TierOps):
     # -- whole-tier operations ---------------------------------------------
     async def _scan_names(self, strict: bool = False):
         """Every name under the prefix, in batches (SCAN; all masters of a cluster).
-        A failure ends the scan with a warning, or (``strict``) raises."""
+        A failure ends the scan with a warning, or (``strict``) raises. The
+        server's breaker is asked first and told of a timeout, as for every
+        other call: a hung server costs one SCAN round trip, not one per call."""
         client = await self._ready()
-        if client is None:
+        breaker = self._breaker_named("cluster-scan" if self.config.cluster else "server")
+        if client is None or not breaker.allow():
             if strict:
                 raise ConnectionError("redis unreachable")
             return
@@ -603,6 +610,7 @@ class RedisTier(TierOps):
                     yield batch
                     batch = []
         except NET_ERRORS as exc:
+            breaker.failure(hung=isinstance(exc, (TimeoutError, RedisTimeout)))
             if strict:
                 raise
             log.warning("redis tier %s: scan stopped: %r", self.name, exc)

@@ -223,3 +223,41 @@ def test_an_outage_at_capacity_does_not_disable_the_tier(redis_server_factory):
         assert redis.used_bytes <= redis.capacity_bytes
         await store.aclose()
     asyncio.run(body())
+
+
+def test_after_an_outage_at_capacity_puts_alone_bring_the_tier_back(redis_server_factory):
+    """Redis alone, full; it goes away while the store evicts (the UNLINKs
+    fail: owed); it comes back empty; then only puts arrive. They answered
+    no_space from the ledger for ever (no call reached the server, so nothing
+    noticed it was back); now a put sends the owed UNLINKs first."""
+    from kvstore.identity import CacheIdentity, KVLayout
+    from kvstore.keys import block_keys
+    from kvstore.store import TieredStore
+
+    ident = CacheIdentity("m/outage2", KVLayout(1, 1, 64, 64, dtype="float16"))
+    keys = block_keys(ident, range(64 * 60))
+    per = BLOCK + 96
+    server = redis_server_factory()
+
+    async def body():
+        redis = _tier(server.url, capacity_bytes=6 * per)
+        store = TieredStore([redis])
+        for i in range(6):
+            assert await store.aput(ident, [keys[i]], [payload(i)]) == [PutOutcome.STORED]
+        server.kill()
+        for i in range(6, 12):                 # each evicts one: the UNLINK cannot be sent
+            await store.aput(ident, [keys[i]], [payload(i)])
+        assert redis._unlink_owed
+        server.start()                         # back, and empty
+        await asyncio.sleep(0.6)
+        outs = []
+        for i in range(12, 40):
+            outs += await store.aput(ident, [keys[i]], [payload(i)])
+            await asyncio.sleep(0.02)
+        assert PutOutcome.STORED in outs, outs
+        if redis._resync_task is not None:
+            await asyncio.wait_for(redis._resync_task, 5)
+        assert not redis._unlink_owed
+        assert redis.used_bytes == int(server.command("DBSIZE")[1:-2]) * per
+        await store.aclose()
+    asyncio.run(body())
