@@ -47,9 +47,10 @@ from kvstore.daemon_conn import Conn
 from kvstore.daemon_metrics import MetricsServer
 from kvstore.daemon_ops import Handlers, Reply
 from kvstore.daemon_tenants import Tenant, TenantTable, load_key_secret
-from kvstore.errors import AuthFailed, KVStoreError, Overloaded, ProtocolError
+from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.protocol import (
     HEADER_SIZE,
+    MAX_KEYS,
     MAX_META_BYTES,
     PREAUTH_META_BYTES,
     STATUS_ERROR,
@@ -68,6 +69,7 @@ _DEGRADED_FOR_S = 2.0        # /health says degraded this long after the last si
 _FD_RESERVE = 64             # descriptors kept for the store, the metrics server and logging
 _SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
 _KEEP_SCRATCH = 64 << 20     # a receive buffer up to this size is kept for the next request (a batch)
+_DISCARD_META = 64 << 20     # a tenant's oversize metadata up to this is read past (typed error), not fatal
 
 
 class Daemon:
@@ -276,9 +278,15 @@ class Daemon:
         body_read = False
         try:
             op, _status, req_id, meta_len, payload_len = unpack_header(
-                header, max_meta=MAX_META_BYTES, max_payload=limits.max_request_bytes)
+                header, max_meta=_DISCARD_META if ten else MAX_META_BYTES, max_payload=limits.max_request_bytes)
             if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
                 raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
+            if meta_len > MAX_META_BYTES:   # a tenant's oversize request: read past it, answer, go on
+                async with asyncio.timeout(body_s):
+                    await _discard(loop, conn.sock, meta_len + payload_len)
+                body_read = True
+                raise InvalidKey(f"metadata of {meta_len} bytes exceeds the limit of {MAX_META_BYTES}: "
+                                 f"split the request (at most {MAX_KEYS} keys each)")
             if ten is not None and meta_len > _SMALL_META:   # a big request's metadata counts while served
                 ten.take_buffer(meta_len, limits.tenant_buffer_bytes)
                 held_meta = meta_len
@@ -402,6 +410,16 @@ async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
             raise ConnectionError(f"peer closed after {got} of {view.nbytes} bytes")
         got += n
     return True
+
+
+async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (an oversize request's body), 1 MiB at a time."""
+    buf = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        n = await loop.sock_recv_into(sock, buf[:min(nbytes, buf.nbytes)])
+        if n == 0:
+            raise ConnectionError("peer closed inside an oversize request")
+        nbytes -= n
 
 
 def _unix_listener(path: str, mode: int) -> socket.socket:

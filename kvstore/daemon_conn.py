@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.daemon_limits import DaemonLimits
 from kvstore.daemon_tenants import Tenant
 from kvstore.identity import CacheIdentity
-from kvstore.shm import unmap
+from kvstore.shm import unmap_later
 
 IDENTITY_CACHE = 64     # parsed identities per connection
 
@@ -69,7 +69,7 @@ class Conn:
         if self.shm_map is not None and self.tenant is not None:
             self.tenant.give_buffer(len(self.shm_map))
         self.shm = None
-        unmap(self.shm_map)
+        unmap_later(self.shm_map)   # freeing the pages can take longer than a request
         self.shm_map = None
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from kvstore.protocol import (
     keys_field,
 )
 from kvstore.record import BlockSpec
-from kvstore.shm import create_segment, round_to_pages
+from kvstore.shm import SEGMENT_THREAD, create_segment, round_to_pages, unmap_later
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon import Daemon
@@ -267,7 +267,7 @@ class Handlers:
         conn.drop_shm()
         ten.take_buffer(size, self.limits.tenant_buffer_bytes)
         try:
-            fd, mapped = await asyncio.get_running_loop().run_in_executor(None, create_segment, size)
+            fd, mapped = await asyncio.get_running_loop().run_in_executor(SEGMENT_THREAD, create_segment, size)
         except BaseException as exc:
             ten.give_buffer(size)
             if isinstance(exc, OSError):
@@ -276,7 +276,7 @@ class Handlers:
         if conn.sock.fileno() < 0:   # the client left while the segment was made
             os.close(fd)
             ten.give_buffer(size)
-            mapped.close()
+            unmap_later(mapped)
             raise ConnectionError("client gone")
         conn.attach(mapped)
         return {"size": size}, [], [fd]

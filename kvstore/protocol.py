@@ -110,10 +110,15 @@ def frame(op: int, req_id: int, meta: dict[str, Any], payload_len: int = 0,
     return pack_header(op, req_id, len(body), payload_len, status) + body
 
 
+def _no_extensions(code: int, data: bytes) -> object:
+    raise ValueError(f"msgpack extension type {code} is not part of the protocol")
+
+
 def unpack_meta(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decode metadata; anything but a map with string keys is a ProtocolError."""
+    """Decode metadata; anything but a map with string keys of plain msgpack
+    types (no extension types) is a ProtocolError."""
     try:
-        meta = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True)
+        meta = msgpack.unpackb(buf, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_extensions)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"metadata is not valid msgpack: {exc}") from exc
     if not isinstance(meta, dict):

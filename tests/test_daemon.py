@@ -396,7 +396,7 @@ def test_bad_frames_close_the_connection_not_the_daemon(served):
     path = served.daemon.config.unix_path
     cases = [
         b"XXXX" + pack_header(Op.PING, 1, 0, 0)[4:],                 # bad magic
-        pack_header(Op.PING, 1, MAX_META_BYTES + 1, 0),               # oversize metadata
+        pack_header(Op.PING, 1, (64 << 20) + 1, 0),                   # metadata past what is read past
         pack_header(Op.PUT, 1, 0, 1 << 40),                           # oversize payload
         pack_header(99, 1, 0, 0),                                     # unknown opcode
         pack_header(Op.PING, 1, 3, 0) + b"\xc1\xc1\xc1",              # metadata not msgpack
@@ -621,3 +621,23 @@ def test_a_peer_trickling_its_request_does_not_hold_up_a_drain(tmp_path):
     finally:
         d.loop.call_soon_threadsafe(d.loop.stop)
         d.thread.join(5)
+
+
+def test_oversize_metadata_from_a_tenant_is_a_typed_error_on_a_live_connection(served):
+    """Past the frame's metadata limit (65,537 keys, say) a tenant gets a typed
+    error and keeps its connection; the daemon reads past the body."""
+    keys = [bytes([i % 251]) * 32 for i in range(2 * MAX_KEYS)]
+    s = raw_conn(served.daemon.config.unix_path)
+    s.sendall(frame_unchecked(Op.LOOKUP, 2, {"keys": keys}))
+    _, status, meta = read_reply(s)
+    assert status == STATUS_ERROR and meta["error"] == "InvalidKey" and "split" in meta["message"], meta
+    s.sendall(frame(Op.PING, 3, {}))
+    assert read_reply(s)[1] == 0
+    s.close()
+
+
+def frame_unchecked(op: int, req_id: int, meta: dict) -> bytes:
+    """A frame as a hostile client builds it: no size check on its metadata."""
+    body = msgpack.packb(meta, use_bin_type=True)
+    return pack_header(op, req_id, len(body), 0) + body
+

@@ -376,7 +376,7 @@ class RedisTier(TierOps):
                 self.stats.reconnects += 1
                 self._after_outage()
             return result
-        breaker.failure(hung=hung)
+        breaker.failure(hung=bound if hung else 0.0)
         log.warning("redis tier %s: %s unreachable: %r", self.name,
                     getattr(node, "name", c.url.split("@")[-1]), error)
         return DOWN
@@ -610,7 +610,8 @@ class RedisTier(TierOps):
                     yield batch
                     batch = []
         except NET_ERRORS as exc:
-            breaker.failure(hung=isinstance(exc, (TimeoutError, RedisTimeout)))
+            breaker.failure(hung=self.config.socket_timeout_s if isinstance(exc, (TimeoutError, RedisTimeout))
+                            else 0.0)
             if strict:
                 raise
             log.warning("redis tier %s: scan stopped: %r", self.name, exc)

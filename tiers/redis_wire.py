@@ -53,11 +53,13 @@ class Breaker:
     def down(self) -> bool:
         return self.failures > 0
 
-    def failure(self, *, hung: bool = False) -> None:
-        """A call failed; ``hung``: it timed out (the server is there but does
-        not answer), so the breaker opens for the whole cap at once."""
+    def failure(self, *, hung: float = 0.0) -> None:
+        """A call failed; ``hung``: it timed out after that many seconds (the
+        server is there but does not answer), so the breaker opens at once for
+        the cap, and at least twice that timeout: a caller making a few calls in
+        a row then meets one timeout, not one per call."""
         self.failures += 1
-        backoff = self.cap if hung else min(self.cap, self.base * 2 ** (self.failures - 1))
+        backoff = max(self.cap, 2 * hung) if hung else min(self.cap, self.base * 2 ** (self.failures - 1))
         self.open_until = self.clock() + backoff
 
     def success(self) -> bool:
