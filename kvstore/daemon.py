@@ -281,12 +281,13 @@ class Daemon:
                 header, max_meta=_DISCARD_META if ten else MAX_META_BYTES, max_payload=limits.max_request_bytes)
             if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
                 raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
-            if meta_len > MAX_META_BYTES:   # a tenant's oversize request: read past it, answer, go on
+            if meta_len > MAX_META_BYTES:   # a tenant's oversize request: answer at once, read past it
+                await self._send_error(loop, conn, op, req_id, InvalidKey(
+                    f"metadata of {meta_len} bytes exceeds the limit of {MAX_META_BYTES}: split the "
+                    f"request (at most {MAX_KEYS} keys each)"))
                 async with asyncio.timeout(body_s):
                     await _discard(loop, conn.sock, meta_len + payload_len)
-                body_read = True
-                raise InvalidKey(f"metadata of {meta_len} bytes exceeds the limit of {MAX_META_BYTES}: "
-                                 f"split the request (at most {MAX_KEYS} keys each)")
+                return True
             if ten is not None and meta_len > _SMALL_META:   # a big request's metadata counts while served
                 ten.take_buffer(meta_len, limits.tenant_buffer_bytes)
                 held_meta = meta_len
