@@ -103,5 +103,11 @@ def read_config_file(path: str, what: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, ValueError, RecursionError) as exc:   # ValueError: JSON and UTF-8 errors
-        raise ConfigError(f"cannot read {what} {path}: {exc}"[:500]) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: {exc}"[:500]) from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to be a config") from None
+    except ValueError as exc:   # JSONDecodeError, and integers too long to convert
+        raise ConfigError(f"{what} {path} is not valid JSON: {exc}"[:500]) from None

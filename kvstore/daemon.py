@@ -272,33 +272,19 @@ class Daemon:
         """Serve one request whose header has arrived; its body must arrive
         within ``body_s``. False: close the connection."""
         op, req_id = header[5], 0  # for an error reply before the header parses
-        limits = self.config.limits
         ten = conn.tenant
-        held_meta = 0
         body_read = False
         try:
             op, _status, req_id, meta_len, payload_len = unpack_header(
-                header, max_meta=_DISCARD_META if ten else MAX_META_BYTES, max_payload=limits.max_request_bytes)
+                header, max_meta=_DISCARD_META if ten else MAX_META_BYTES,
+                max_payload=self.config.limits.max_request_bytes)
             if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
                 raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
-            if meta_len > MAX_META_BYTES:   # a tenant's oversize request: answer at once, read past it
-                await self._send_error(loop, conn, op, req_id, InvalidKey(
-                    f"metadata of {meta_len} bytes exceeds the limit of {MAX_META_BYTES}: split the "
-                    f"request (at most {MAX_KEYS} keys each)"))
-                async with asyncio.timeout(body_s):
-                    await _discard(loop, conn.sock, meta_len + payload_len)
-                return True
-            if ten is not None and meta_len > _SMALL_META:   # a big request's metadata counts while served
-                ten.take_buffer(meta_len, limits.tenant_buffer_bytes)
-                held_meta = meta_len
-            async with asyncio.timeout(body_s):
-                meta_buf = bytearray(meta_len)
-                await _recv_into(loop, conn.sock, memoryview(meta_buf))
-                payload = self.buffer_for(conn, payload_len) if payload_len else memoryview(b"")
-                await _recv_into(loop, conn.sock, payload)
+            body = await self._receive(loop, conn, op, req_id, meta_len, payload_len, body_s)
+            if body is None:
+                return True                     # refused and read past: the stream is in step
             body_read = True
-            meta = unpack_meta(meta_buf) if meta_len else {}
-            del meta_buf
+            meta, payload = body
             try:
                 op = Op(op)
             except ValueError:
@@ -315,12 +301,49 @@ class Daemon:
             # unless the body was left unread (the stream is out of step) or the
             # peer is still unauthenticated (it had its one chance)
             return body_read and conn.tenant is not None
+        await self._reply(loop, conn, frame(op, req_id, reply, sum(b.nbytes for b in blocks)), blocks, fds)
+        return True
+
+    async def _receive(self, loop: asyncio.AbstractEventLoop, conn: Conn, op: int, req_id: int,
+                       meta_len: int, payload_len: int, body_s: float
+                       ) -> tuple[dict, memoryview] | None:
+        """A request's metadata and payload. A tenant's request past its bounds
+        (metadata over the frame limit, a payload past its buffer budget) is
+        answered with a typed error at once and read past: None."""
+        ten = conn.tenant
+        refusal: KVStoreError | None = None
+        if meta_len > MAX_META_BYTES:
+            refusal = InvalidKey(f"metadata of {meta_len} bytes exceeds the limit of {MAX_META_BYTES}: "
+                                 f"split the request (at most {MAX_KEYS} keys each)")
+        held_meta = meta_len if ten is not None and meta_len > _SMALL_META and refusal is None else 0
+        try:
+            if held_meta:   # a big request's metadata counts against the tenant while served
+                assert ten is not None
+                ten.take_buffer(meta_len, self.config.limits.tenant_buffer_bytes)
+            async with asyncio.timeout(body_s):
+                if refusal is not None:
+                    await self._send_error(loop, conn, op, req_id, refusal)
+                    await _discard(loop, conn.sock, meta_len + payload_len)
+                    return None
+                meta_buf = bytearray(meta_len)
+                await _recv_into(loop, conn.sock, memoryview(meta_buf))
+                try:
+                    payload = self.buffer_for(conn, payload_len) if payload_len else memoryview(b"")
+                except Overloaded as exc:
+                    await self._send_error(loop, conn, op, req_id, exc)
+                    await _discard(loop, conn.sock, payload_len)
+                    return None
+                await _recv_into(loop, conn.sock, payload)
+            return (unpack_meta(meta_buf) if meta_len else {}), payload
         finally:
             if held_meta and ten is not None:
                 ten.give_buffer(held_meta)
+
+    async def _reply(self, loop: asyncio.AbstractEventLoop, conn: Conn, head: bytes,
+                     blocks: list[memoryview], fds: list[int]) -> None:
+        """Send a reply (with the descriptors it passes); the descriptors are closed after."""
         try:
-            head = frame(op, req_id, reply, sum(b.nbytes for b in blocks))
-            async with asyncio.timeout(limits.request_timeout_s):
+            async with asyncio.timeout(self.config.limits.request_timeout_s):
                 if fds:
                     await send_with_fds(loop, conn.sock, head, fds)
                 else:
@@ -330,7 +353,6 @@ class Daemon:
         finally:
             for fd in fds:
                 os.close(fd)
-        return True
 
     async def _serving(self, handled: Awaitable[Reply]) -> Reply:
         """Await a handler, counted as in flight: a drain waits for these (not

@@ -48,7 +48,11 @@ class Conn:
             assert self.tenant is not None
             self.drop_scratch()
             self.tenant.take_buffer(nbytes, limits.tenant_buffer_bytes)
-            self.scratch = np.zeros(nbytes, dtype=np.uint8)
+            try:
+                self.scratch = np.zeros(nbytes, dtype=np.uint8)
+            except MemoryError:
+                self.tenant.give_buffer(nbytes)
+                raise
         return memoryview(self.scratch)[:nbytes]
 
     def drop_scratch(self) -> int:
@@ -67,7 +71,7 @@ class Conn:
 
     def drop_shm(self) -> None:
         if self.shm_map is not None and self.tenant is not None:
-            self.tenant.give_buffer(len(self.shm_map))
+            self.tenant.give_shm(len(self.shm_map))
         self.shm = None
         unmap_later(self.shm_map)   # freeing the pages can take longer than a request
         self.shm_map = None

@@ -11,8 +11,10 @@ tenant's excess fall on another.
 
 Defaults are sized for engines on one host: a client batches at most
 64 MiB per request (RemoteConfig.max_batch_bytes) over up to 8 pooled
-connections per process, so 256 MiB per request and 1 GiB of buffers per
-tenant leave room for several engine processes per tenant.
+connections per process, and sizes each connection's shared segment to
+its largest request. Segments and receive buffers have budgets of their
+own, so a tenant whose segments reach theirs still gets its requests
+served over the socket (the client falls back when a segment is refused).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 from kvstore.config import config_values
 from kvstore.errors import ConfigError
 
-_SIZES = ("max_request_bytes", "tenant_buffer_bytes", "shm_segment_bytes")
+_SIZES = ("max_request_bytes", "tenant_buffer_bytes", "tenant_shm_bytes", "shm_segment_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,8 @@ class DaemonLimits:
     max_preauth_connections: int = 64    # connections that have not authenticated yet
     max_connections_per_tenant: int = 64
     max_request_bytes: int = 256 << 20   # a PUT's payload, a GET's blocks
-    tenant_buffer_bytes: int = 1 << 30   # per tenant: its connections' receive buffers and shm segments
+    tenant_buffer_bytes: int = 1 << 30   # per tenant: its connections' receive buffers (and big metadata)
+    tenant_shm_bytes: int = 1 << 30      # per tenant: its connections' shared-memory segments
     shm_segment_bytes: int = 256 << 20   # one connection's shared-memory segment, at most
     max_pins_per_tenant: int = 1 << 16
     max_pin_ttl_s: float = 3600.0        # a longer (or infinite) pin is granted this

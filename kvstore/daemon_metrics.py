@@ -60,8 +60,10 @@ def render_metrics(daemon: Daemon, tenant: Tenant | None = None) -> str:
            [(label(t), t.no_space) for t in tenants])
     family("tenant_connections", "gauge", "Open connections per tenant.",
            [(label(t), t.connections) for t in tenants])
-    family("tenant_buffer_bytes", "gauge", "Request buffers and shared memory held per tenant.",
+    family("tenant_buffer_bytes", "gauge", "Request buffers held per tenant.",
            [(label(t), t.buffer_bytes) for t in tenants])
+    family("tenant_shm_bytes", "gauge", "Shared-memory segments held per tenant.",
+           [(label(t), t.shm_bytes) for t in tenants])
     family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
            [(label(t), len(t.pins)) for t in tenants])
     return "\n".join(out) + "\n"
@@ -98,6 +100,9 @@ def _store_families(family: Callable, daemon: Daemon) -> None:
            [({}, int(daemon.health()[0]))])
 
 
+MAX_SCRAPES = 16
+
+
 class MetricsServer:
     """HTTP GET /metrics and /health on a listening socket whose connections
     the daemon's accept loop hands over (``serve``), so /health answers even
@@ -111,7 +116,14 @@ class MetricsServer:
         self._tasks: set[asyncio.Task] = set()
 
     def serve(self, sock: socket.socket, done: Callable[[], None] | None = None) -> None:
-        """Answer one accepted connection in the background; ``done`` runs after."""
+        """Answer one accepted connection in the background; ``done`` runs after.
+        At most ``MAX_SCRAPES`` at once (each may take 5 s to send its request):
+        the rest are closed, so scrapers cannot hold the daemon's descriptors."""
+        if len(self._tasks) >= MAX_SCRAPES:
+            sock.close()
+            if done is not None:
+                done()
+            return
         task = asyncio.get_running_loop().create_task(self._serve(sock))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

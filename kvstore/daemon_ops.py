@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
+_RECONCILE_SLICE = 4096
+_RECONCILE_EVERY_S = 10.0
 
 
 class Handlers:
@@ -129,7 +131,7 @@ class Handlers:
                 raise InvalidBlock(f"payload is {payload.nbytes} bytes, expected {n} x {nbytes}")
             base = payload
         else:
-            base = conn.buffer(n * nbytes, self.limits)
+            base = self.daemon.buffer_for(conn, n * nbytes)
         return [base[i * nbytes:(i + 1) * nbytes] for i in range(n)]
 
     # -- handlers -----------------------------------------------------------------------
@@ -180,17 +182,28 @@ class Handlers:
         refused = set(new[room:])
         return [i for i in range(len(keys)) if i not in refused]
 
-    async def reconcile(self, ten: Tenant) -> None:
+    async def reconcile(self, ten: Tenant, *, force: bool = False) -> None:
         """Forget held blocks no tier holds any more (evicted, invalidated).
-        O(blocks held) per call; runs only when a tenant reaches its quota."""
-        todo = list(ten.held)
-        for tier in self.store.tiers:
-            if not todo:
-                break
-            found = await tier.contains_many(todo)
-            todo = [k for k, f in zip(todo, found) if not f]
-        for k in todo:
-            ten.release(k)
+        O(blocks held), in slices that yield to the loop; run when a tenant
+        reaches its quota, and then only if the store saw blocks leave since
+        the last run (or ``_RECONCILE_EVERY_S`` passed: a TTL expiry in Redis
+        is not seen), so a tenant at its quota cannot make every put a scan."""
+        now, removals = self.clock(), self.store.removals
+        last_removals, last_time = ten.reconciled
+        if not force and removals == last_removals and now - last_time < _RECONCILE_EVERY_S:
+            return
+        ten.reconciled = (removals, now)
+        held = list(ten.held)
+        for start in range(0, len(held), _RECONCILE_SLICE):
+            todo = held[start:start + _RECONCILE_SLICE]
+            for tier in self.store.tiers:
+                if not todo:
+                    break
+                found = await tier.contains_many(todo)
+                todo = [k for k, f in zip(todo, found) if not f]
+            for k in todo:
+                ten.release(k)
+            await asyncio.sleep(0)
 
     async def _get(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
         ident = self._identity(conn, ten, meta)
@@ -219,7 +232,9 @@ class Handlers:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or math.isnan(ttl) or not ttl > 0:
             raise KVStoreError(f"pin needs a positive ttl_s, got {ttl!r}"[:200])
         ttl = min(float(ttl), self.limits.max_pin_ttl_s)   # an infinite pin is granted the cap
-        keys = await self._keys(ten, meta)
+        # only blocks the tenant stored: a pin keeps space (on NVMe, the segment holding
+        # the block) from every tenant, so nobody pins what is not its own
+        keys = [k for k in await self._keys(ten, meta) if k in ten.held]
         now = self.store.clock()
         ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
         self.store.pin(keys, ttl)
@@ -233,7 +248,7 @@ class Handlers:
 
     async def _invalidate(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         dropped = await self.store.ainvalidate(self._identity(conn, ten, meta))
-        await self.reconcile(ten)
+        await self.reconcile(ten, force=True)
         return {"dropped": dropped}
 
     async def _stats(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
@@ -248,7 +263,8 @@ class Handlers:
                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                          "used_bytes": ten.used_bytes, "quota_bytes": ten.quota_bytes,
                          "no_space": ten.no_space, "pins": len(ten.pins),
-                         "buffer_bytes": ten.buffer_bytes, "connections": ten.connections}
+                         "buffer_bytes": ten.buffer_bytes, "shm_bytes": ten.shm_bytes,
+                         "connections": ten.connections}
         return json.loads(json.dumps(out, default=str))  # plain types for msgpack
 
     async def _metrics(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
@@ -265,18 +281,25 @@ class Handlers:
                                f"got {size!r}"[:200])
         size = round_to_pages(size)
         conn.drop_shm()
-        ten.take_buffer(size, self.limits.tenant_buffer_bytes)
+        ten.take_shm(size, self.limits.tenant_shm_bytes)
+        made = asyncio.get_running_loop().run_in_executor(SEGMENT_THREAD, create_segment, size)
         try:
-            fd, mapped = await asyncio.get_running_loop().run_in_executor(SEGMENT_THREAD, create_segment, size)
-        except BaseException as exc:
-            ten.give_buffer(size)
-            if isinstance(exc, OSError):
-                raise Overloaded(f"cannot make a {size}-byte shared segment: {exc}") from None
+            fd, mapped = await asyncio.shield(made)
+        except asyncio.CancelledError:   # a drain: the segment, once made, is let go at once
+            made.add_done_callback(_discard_segment)
+            ten.give_shm(size)
             raise
-        if conn.sock.fileno() < 0:   # the client left while the segment was made
-            os.close(fd)
-            ten.give_buffer(size)
-            unmap_later(mapped)
-            raise ConnectionError("client gone")
+        except OSError as exc:
+            ten.give_shm(size)
+            raise Overloaded(f"cannot make a {size}-byte shared segment: {exc}") from None
         conn.attach(mapped)
         return {"size": size}, [], [fd]
+
+
+def _discard_segment(made: asyncio.Future) -> None:
+    """Close and unmap a segment nobody will use (its request was cancelled)."""
+    if made.cancelled() or made.exception() is not None:
+        return
+    fd, mapped = made.result()
+    os.close(fd)
+    unmap_later(mapped)

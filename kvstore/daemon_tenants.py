@@ -61,7 +61,8 @@ class Tenant:
     held: dict[BlockKey, int] = field(default_factory=dict)   # server key -> bytes
     used_bytes: int = 0
     pending_bytes: int = 0             # puts in flight
-    buffer_bytes: int = 0              # receive buffers and shm segments its connections hold
+    buffer_bytes: int = 0              # receive buffers its connections hold
+    shm_bytes: int = 0                 # shared-memory segments its connections hold
     connections: int = 0
     pins: dict[BlockKey, float] = field(default_factory=dict)   # server key -> expiry (clock)
     hits: int = 0
@@ -69,6 +70,7 @@ class Tenant:
     lookup_blocks: int = 0
     lookup_hit_blocks: int = 0
     no_space: int = 0
+    reconciled: tuple[int, float] = (-1, 0.0)   # the store's removals count and the time, last reconcile
 
     @property
     def label(self) -> str:
@@ -92,7 +94,7 @@ class Tenant:
             self.used_bytes -= n
 
     def take_buffer(self, nbytes: int, limit: int) -> None:
-        """Count ``nbytes`` more buffer memory, or :class:`Overloaded`."""
+        """Count ``nbytes`` more receive-buffer memory, or :class:`Overloaded`."""
         if self.buffer_bytes + nbytes > limit:
             raise Overloaded(f"tenant {self.name}: {self.buffer_bytes + nbytes} bytes of request buffers "
                              f"would exceed its limit of {limit}; retry with fewer or smaller requests")
@@ -100,6 +102,17 @@ class Tenant:
 
     def give_buffer(self, nbytes: int) -> None:
         self.buffer_bytes -= nbytes
+
+    def take_shm(self, nbytes: int, limit: int) -> None:
+        """Count a shared segment of ``nbytes``, or :class:`Overloaded` (the
+        client then goes on over the socket)."""
+        if self.shm_bytes + nbytes > limit:
+            raise Overloaded(f"tenant {self.name}: {self.shm_bytes + nbytes} bytes of shared segments "
+                             f"would exceed its limit of {limit}")
+        self.shm_bytes += nbytes
+
+    def give_shm(self, nbytes: int) -> None:
+        self.shm_bytes -= nbytes
 
     def pin(self, keys: Iterable[BlockKey], expiry: float, now: float, limit: int) -> None:
         """Count pins (a key pinned again only moves its expiry), or :class:`Overloaded`."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 
 import enum
-import math
 import struct
 from typing import Any
 
@@ -179,14 +178,6 @@ def bool_field(meta: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise KVStoreError(f"{name} must be true or false, got {type(value).__name__}")
     return value
-
-
-def number_field(meta: dict[str, Any], name: str) -> float:
-    """A finite number (int or float, not bool)."""
-    value = meta.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise KVStoreError(f"{name} must be a finite number, got {value!r}"[:200])
-    return float(value)
 
 
 def bytes_field(meta: dict[str, Any], name: str, max_bytes: int) -> bytes:

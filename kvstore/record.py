@@ -97,8 +97,9 @@ class RecordHeader:
         return HEADER_BYTES + self.stored_len
 
     def matches(self, spec: BlockSpec) -> bool:
+        """Same namespace, layout and size (the owner is checked apart: see check_layout)."""
         return self.namespace == spec.namespace and self.layout == spec.layout \
-            and self.raw_len == spec.nbytes and self.owner == spec.owner
+            and self.raw_len == spec.nbytes
 
 
 def unpack_header(buf: bytes | memoryview) -> RecordHeader:
@@ -181,9 +182,15 @@ def check_size(view: memoryview, spec: BlockSpec, what: str = "payload") -> None
         raise InvalidBlock(f"{what} is {view.nbytes} bytes; this layout's block is {spec.nbytes}")
 
 
-def check_layout(header: RecordHeader, spec: BlockSpec) -> None:
+def check_layout(header: RecordHeader, spec: BlockSpec) -> bool:
+    """Whether a stored record may be read under ``spec``: :class:`LayoutMismatch`
+    for another layout or namespace under the same key (a broken invariant);
+    False for a record of another owner, which is a miss for this caller (a
+    record stored before owners existed, or one no tenant could name), so it
+    never fails the rest of a batch nor hands a tenant bytes it did not store."""
     if not header.matches(spec):
         raise LayoutMismatch(
             f"block {header.key.hex()[:16]} was stored with another layout or namespace "
             f"({header.raw_len} bytes, layout {header.layout.hex()}) than requested "
             f"({spec.nbytes} bytes, layout {spec.layout.hex()})")
+    return header.owner == spec.owner

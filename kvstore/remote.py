@@ -161,10 +161,10 @@ class _Connection:
             return self.shm
         if nbytes > self.shm_max:
             return None
-        # the first segment already holds the largest batch one call sends, so a
-        # connection grows at most once more (a single huge block)
-        size = min(self.shm_max, max(nbytes, 2 * (self.shm.nbytes if self.shm is not None else 0),
-                                     self.cfg.max_batch_bytes))
+        # sized to the request (the daemon counts every segment against the tenant),
+        # doubling as requests grow: a connection re-attaches a few times at most
+        size = min(self.shm_max, max(_round_up(nbytes, 1 << 20),
+                                     2 * (self.shm.nbytes if self.shm is not None else 0)))
         self._drop_shm()
         fds: list[int] = []
         try:
@@ -193,6 +193,10 @@ class _Connection:
         self._drop_shm()
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _positive(value: object, default: int) -> int:

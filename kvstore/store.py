@@ -80,6 +80,7 @@ class TieredStore:
         for n in names:
             self.stats.tier(n)
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
+        self.removals = 0                      # blocks the store saw leave it (evicted, invalidated)
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
@@ -141,6 +142,7 @@ class TieredStore:
         return self._gone.get(key, MissReason.NEVER_STORED)
 
     def _forget(self, key: BlockKey, reason: MissReason) -> None:
+        self.removals += 1
         self._gone[key] = reason
         self._gone.move_to_end(key)
         if len(self._gone) > _GONE_MEMORY:
@@ -160,33 +162,44 @@ class TieredStore:
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
         out = [PutOutcome.DECLINED] * len(keys)
+        fresh: list[tuple[int, int]] = []     # (block, tier) of every copy this call stored
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(tuple(self.placement.put_targets(key)), []).append(i)
         for targets, idx in groups.items():
             for ti in targets:
-                res = await self._put_batch(ti, spec, [keys[i] for i in idx], [views[i] for i in idx])
-                for i, r in zip(idx, res):
+                where: list[int | None] = [None] * len(idx)
+                res = await self._put_batch(ti, spec, [keys[i] for i in idx], [views[i] for i in idx], where)
+                for i, r, t in zip(idx, res, where):
+                    if r is PutOutcome.STORED and t is not None:
+                        fresh.append((i, t))
                     if out[i] is not PutOutcome.STORED and (out[i] is PutOutcome.DECLINED
                                                             or r is not PutOutcome.NO_SPACE):
                         out[i] = r
         if self.durable_tier is not None:
-            await self._put_durably(spec, keys, views, out)
+            await self._put_durably(spec, keys, views, out, fresh)
         return out
 
     async def _put_durably(self, spec: BlockSpec, keys: list[BlockKey], views: list,
-                           out: list[PutOutcome]) -> None:
+                           out: list[PutOutcome], fresh: list[tuple[int, int]]) -> None:
         """Acknowledge only what the durable tier holds: write every block the
         placement stored (anywhere) there too; EXISTS where it already is.
-        No fall-through below it: a slower tier would not be durable."""
+        No fall-through below it: a slower tier would not be durable. A block
+        the durable tier refused is taken back out of the faster tiers this
+        call put it in: nothing unacknowledged is left behind (a daemon
+        counts only acknowledged blocks against a tenant's quota)."""
         todo = [i for i, o in enumerate(out) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
         if not todo:
             return
         durable: list[PutOutcome] = list(out)
         await self._put_round(self.durable_tier, spec, keys, views, todo, durable, [None] * len(keys))
-        for i in todo:
-            if durable[i] not in (PutOutcome.STORED, PutOutcome.EXISTS):
-                out[i] = durable[i]
+        refused = {i for i in todo if durable[i] not in (PutOutcome.STORED, PutOutcome.EXISTS)}
+        for i in refused:
+            out[i] = durable[i]
+        for i, t in fresh:
+            if i in refused and t != self.durable_tier:
+                await self.tiers[t].delete_many([keys[i]])
+                self._order[t].remove(keys[i])
 
     async def _put_batch(self, ti: int, spec: BlockSpec, keys: list[BlockKey], views: list,
                          where: list[int | None] | None = None) -> list[PutOutcome]:

@@ -178,24 +178,30 @@ def test_one_request_for_the_same_block_many_times_is_bounded(tmp_path):
         d.close()
 
 
-def test_pins_are_capped_in_number_and_in_time(tmp_path):
+def test_pins_are_capped_in_number_and_in_time_and_only_held_blocks_pin(tmp_path):
     """A million pins with infinite TTL grew RSS by 120 MiB and held space for
-    ever. Pins are counted per tenant, and no pin outlives max_pin_ttl_s."""
-    limits = {"max_pins_per_tenant": 100_000, "max_pin_ttl_s": 60}
+    ever. A tenant pins only blocks it stored, at most max_pins_per_tenant of
+    them, and no pin outlives max_pin_ttl_s."""
+    limits = {"max_pins_per_tenant": 8, "max_pin_ttl_s": 60}
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits=limits)).start()
     try:
         base = d.rss_mib()
-        refused = 0
         with d.client(TOK_EVE) as eve:
-            for n in range(16):                                # a million keys in 16 requests
+            for n in range(16):                                # a million keys it never stored
                 keys = block_keys(IDENT, range(n * 65536 * 16, (n + 1) * 65536 * 16))
-                try:
-                    assert eve.pin(keys, float("inf")) == 60.0
-                except Overloaded:
-                    refused += 1
-            assert refused == 15 and 65536 <= eve.stats()["tenant"]["pins"] <= 100_000
-            with d.client(TOK_VICTIM) as victim:              # another tenant's pins are its own
-                assert victim.pin(block_keys(IDENT, range(16 * 10)), 5.0) == 5.0
+                assert eve.pin(keys, float("inf")) == 60.0
+            assert eve.stats()["tenant"]["pins"] == 0
+            mine, blocks = blocks_for(40, n=12)
+            assert eve.put(IDENT, mine, blocks) == [PutOutcome.STORED] * 12
+            with pytest.raises(Overloaded):
+                eve.pin(mine, 5.0)                             # 12 > 8
+            assert eve.pin(mine[:8], float("inf")) == 60.0
+            assert eve.stats()["tenant"]["pins"] == 8
+            eve.unpin(mine[:4])
+            assert eve.pin(mine[8:12], 5.0) == 5.0
+            with d.client(TOK_VICTIM) as victim:              # another tenant cannot pin eve's blocks
+                victim.pin(mine, 5.0)
+                assert victim.stats()["tenant"]["pins"] == 0
         assert d.rss_mib() < base + 96, (base, d.rss_mib())
     finally:
         d.close()

@@ -184,8 +184,9 @@ def test_generated_frames_get_typed_answers_and_break_nothing(fuzzed):
         assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, cblocks))
     alpha = d.daemon.tenants.by_name["alpha"]
     deadline = time.monotonic() + 10
-    while (alpha.connections or alpha.buffer_bytes or d.daemon.preauth) and time.monotonic() < deadline:
+    while (alpha.connections or alpha.buffer_bytes or alpha.shm_bytes or d.daemon.preauth) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (alpha.connections, alpha.buffer_bytes, d.daemon.preauth) == (0, 0, 0)
+    assert (alpha.connections, alpha.buffer_bytes, alpha.shm_bytes, d.daemon.preauth) == (0, 0, 0, 0)
     assert not d.daemon.store.leases._refs
     print(f"fuzz: {sent[0]} frames")

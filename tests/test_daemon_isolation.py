@@ -209,7 +209,7 @@ def test_a_huge_segment_is_refused_and_big_ones_do_not_stall_other_tenants(tmp_p
     loop: other tenants stalled 0.7-6.5 s (and, made on a worker thread but
     mapped with MAP_POPULATE, which holds the GIL, still 0.1-1 s). Segments are
     capped per connection and per tenant, and allocated without the GIL."""
-    limits = {"shm_segment_bytes": "256MiB", "tenant_buffer_bytes": "800MiB"}   # 3 segments + requests
+    limits = {"shm_segment_bytes": "256MiB", "tenant_shm_bytes": "800MiB"}   # 3 segments fit
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, limits=limits)).start()
     try:
         s = hello(d, TOK_EVE)
@@ -242,6 +242,8 @@ def test_a_huge_segment_is_refused_and_big_ones_do_not_stall_other_tenants(tmp_p
                 took.append(time.monotonic() - t0)
             t.join()
         assert refused[:4] == [False, False, False, True], "the fourth 256 MiB segment is past 800 MiB"
+        with d.client(TOK_EVE) as eve:              # past its segment budget, eve is served over the socket
+            assert eve.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 6
         took.sort()
         assert took[len(took) // 2] < 0.05 and took[-1] < 0.3, f"another tenant's ping waited {took[-3:]}"
         assert d.alive()
@@ -291,7 +293,7 @@ def test_clients_killed_mid_transfer_leave_no_segment_and_no_reservation(daemon)
             if row["connections"] == 1 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert row["connections"] == 1 and row["buffer_bytes"] == 0, row
+        assert row["connections"] == 1 and row["buffer_bytes"] == 0 and row["shm_bytes"] == 0, row
 
 
 # -- 2. forged records in payloads ------------------------------------------------------

@@ -384,3 +384,23 @@ def test_prefetch_counts_only_blocks_that_reached_the_tier(run):
     async def go():
         return await s.aprefetch(KEYS[:2], to="dram")
     assert run(go()) == 0 and s.stats.prefetched_blocks == 0
+
+
+def test_a_durable_put_the_disk_refuses_leaves_no_copy_behind(run, tmp_path):
+    """Under a durable tier the outcome is the disk's: NO_SPACE here (every
+    NVMe segment pinned), and the DRAM copy this put made is taken back, so
+    nothing unacknowledged lingers (a daemon would not count it to a quota)."""
+    keys = block_keys(ID, list(range(16 * 10)))
+    from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
+    rec = BB + FRAME_HEAD_BYTES
+    nvme = NvmeTier(NvmeConfig(tmp_path / "nvme", 4 * (SEGMENT_HEADER_BYTES + rec),   # 4 one-block segments
+                               segment_bytes=SEGMENT_HEADER_BYTES + rec, durability="fsync",
+                               background_compaction=False))
+    s = TieredStore([dram(8), nvme], durable_tier=1)
+    assert run(s.aput(ID, keys[:4], [block(i) for i in range(4)])) == [PutOutcome.STORED] * 4
+    s.pin(keys[:4], ttl_s=60)                                   # every segment now stays
+    assert run(s.aput(ID, keys[4:6], [block(i) for i in range(4, 6)])) == [PutOutcome.NO_SPACE] * 2
+    assert run(s.alookup(keys[4:6])).tiers == [None, None]
+    assert run(s.tiers[0].contains_many(keys[4:6])) == [False, False]
+    assert run(s.alookup(keys[:4])).prefix_blocks == 4
+    run(s.aclose())

@@ -103,10 +103,9 @@ class DramTier(TierOps):
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                             dsts: Sequence[object]) -> list[GetOutcome]:
         keys, views = check_batch(spec, keys, dsts, writable=True)
-        entries = [self._index.get(k) for k in keys]
-        for e in entries:  # refuse the whole batch before writing any destination
-            if e is not None:
-                check_layout(e[1], spec)
+        # refuse the whole batch before writing any destination; another owner's record is a miss
+        entries = [e if e is not None and check_layout(e[1], spec) else None
+                   for e in (self._index.get(k) for k in keys)]
         out = []
         for entry, view in zip(entries, views):
             if entry is None:

@@ -310,10 +310,8 @@ class HbmTier(TierOps):
         keys, ends = self._validate(spec, keys, dsts, writable=True)
         if self._closed:
             return [GetOutcome.UNAVAILABLE] * len(keys)
-        entries = [self._index.get(k) for k in keys]
-        for e in entries:
-            if e is not None:
-                check_layout(e[1], spec)
+        entries = [e if e is not None and check_layout(e[1], spec) else None
+                   for e in (self._index.get(k) for k in keys)]
         plan = [(e[0], end) for e, end in zip(entries, ends) if e is not None]
         for slot, _ in plan:
             self._readers[slot] = self._readers.get(slot, 0) + 1

@@ -66,12 +66,11 @@ class MemoryTier(TierOps):
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                             dsts: Sequence[object]) -> list[GetOutcome]:
         keys, views = check_batch(spec, keys, dsts, writable=True)
-        for key in keys:  # check every layout before writing any destination
-            if key in self._records:
-                check_layout(self._records[key][0], spec)
+        readable = {key for key in keys   # check every layout before writing any destination
+                    if key in self._records and check_layout(self._records[key][0], spec)}
         out = []
         for key, view in zip(keys, views):
-            if key not in self._records:
+            if key not in readable:
                 out.append(GetOutcome.MISS)
                 continue
             view[:] = self._records[key][1]

@@ -185,7 +185,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         self.headless: list[str] = []             # segment files with a torn segment header
         self._segments: dict[int, Segment] = {}   # insertion order == id order == age order
         self._index: dict[BlockKey, _Loc] = {}
-        self._pending: set[BlockKey] = set()       # puts reserved but not yet written
+        # puts reserved but not yet written: key -> the outcome its writer will have
+        self._pending: dict[BlockKey, asyncio.Future[PutOutcome]] = {}
         self._graves: dict[BlockKey, set[int]] = {}  # key -> ids of segments holding a dead put of it
         self._grave_epoch = 0                      # bumped when a segment's graves go: prune tombs again
         self._evicted: deque[BlockKey] = deque(maxlen=config.evicted_backlog)
@@ -269,16 +270,20 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
                         "record%s", self.name, path, "" if frozen else " and the header rewritten")
             if not frozen:
                 os.pwrite(fd, pack_segment_header(framing), 0)
-        if framing is None:   # torn segment header, no record after it: nothing acknowledged
+        if framing is None:   # no segment header, and no intact first record to recover its seal from
             self.headless.append(name)
-            self.counters.torn_bytes += size
-            log.warning("%s: %s has no intact segment header (%d bytes)%s", self.name, path, size,
-                        "" if frozen else "; removed")
-            if frozen:
-                return Segment(sid, path, fd, Framing(None), size)   # kept for check() to report
-            os.close(fd)
-            os.unlink(path)
-            return None
+            if size <= SEGMENT_HEADER_BYTES and not frozen:   # created just before a crash: nothing in it
+                log.warning("%s: %s has no intact segment header (%d bytes); removed", self.name, path, size)
+                os.close(fd)
+                os.unlink(path)
+                return None
+            # records may follow, but without the seal none can be trusted: kept, unread and
+            # reported (kvstore check; --fix removes it), and evicted in its turn
+            log.error("%s: %s has a damaged segment header and first record: its %d bytes cannot be "
+                      "read", self.name, path, size)
+            seg = Segment(sid, path, fd, Framing(None), size)
+            seg.frozen = seg.unreadable = True
+            return seg
         res = scan_segment(fd, size, framing)
         if res.end < size and not frozen:  # a torn tail: an append the crash cut short
             os.ftruncate(fd, res.end)
@@ -479,29 +484,49 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         self._check_writable()
         await self._pay_owed_tombstones()   # what a cancelled operation left unpaid
         out = [PutOutcome.EXISTS] * len(keys)
-        todo = []
+        todo: list[int] = []
+        mine: set[BlockKey] = set()
+        waits: list[tuple[int, asyncio.Future[PutOutcome]]] = []
+        loop = asyncio.get_running_loop()
         for i, key in enumerate(keys):
-            if key not in self._index and key not in self._pending:
-                self._pending.add(key)
+            if key in self._index or key in mine:   # held, or twice in this batch
+                continue
+            fut = self._pending.get(key)
+            if fut is None:
+                self._pending[key] = loop.create_future()
+                mine.add(key)
                 todo.append(i)
+            else:                                    # another put is writing it
+                waits.append((i, fut))
+        decided: set[int] = set()
         try:
             results = await self._append([(keys[i], None, views[i], spec) for i in todo])
-        finally:
-            self._pending.difference_update(keys[i] for i in todo)
-        for i, res in zip(todo, results):
-            if res is None or (isinstance(res, OSError) and res.errno in _DISK_FULL):
-                out[i] = PutOutcome.NO_SPACE
-            elif isinstance(res, BaseException):
-                out[i] = PutOutcome.UNAVAILABLE
-            else:
-                out[i] = PutOutcome.STORED
-                if res.seg.retired:  # evicted by a later reservation of this same batch
-                    self._evicted.append(keys[i])
-                else:
-                    self._add_live(res)
+            for i, res in zip(todo, results):
+                out[i] = self._put_outcome(keys[i], res)
+                decided.add(i)
+        finally:   # whatever happened (a cancelled caller too), every put waiting hears how it ended
+            for i in todo:
+                self._pending.pop(keys[i]).set_result(out[i] if i in decided else PutOutcome.UNAVAILABLE)
         self.counters.puts += len(todo)
+        # a key another put was writing is acknowledged only as that write ends:
+        # "exists" before it is on disk would acknowledge what a crash can lose
+        for i, fut in waits:
+            res = await asyncio.shield(fut)
+            out[i] = PutOutcome.EXISTS if res in (PutOutcome.STORED, PutOutcome.EXISTS) else res
         await self._pay_owed_tombstones()
         return out
+
+    def _put_outcome(self, key: BlockKey, res: _Loc | BaseException | None) -> PutOutcome:
+        """The outcome of one written put record, indexed if it is stored."""
+        if res is None or (isinstance(res, OSError) and res.errno in _DISK_FULL):
+            return PutOutcome.NO_SPACE
+        if isinstance(res, BaseException):
+            return PutOutcome.UNAVAILABLE
+        if res.seg.retired:   # evicted by a later reservation of this same batch: not held
+            self._evicted.append(key)
+            return PutOutcome.NO_SPACE
+        self._add_live(res)
+        return PutOutcome.STORED
 
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                             dsts: Sequence[object]) -> list[GetOutcome]:
@@ -509,10 +534,9 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         pool, verifying header and checksum. ``CORRUPT`` drops the block."""
         keys, views = check_batch(spec, keys, dsts, writable=True)
         self._check_open()
-        locs = [self._index.get(k) for k in keys]
-        for loc in locs:  # refuse the whole batch before writing any destination
-            if loc is not None:
-                check_layout(loc.header, spec)
+        # refuse the whole batch before writing any destination; another owner's record is a miss
+        locs = [loc if loc is not None and check_layout(loc.header, spec) else None
+                for loc in (self._index.get(k) for k in keys)]
         reads = [(loc, view) for loc, view in zip(locs, views) if loc is not None]
         oks = await self._read_many(reads)
         out, bad, it = [], [], iter(oks)

@@ -123,7 +123,7 @@ class NvmeMaintenance:
         ratio = self.config.compact_ratio
         out = []
         for s in self._segments.values():
-            if s is self._active or s.writing or not s.has_records:
+            if s is self._active or s.writing or s.unreadable or not s.has_records:
                 continue
             if s.live_bytes and s.live_bytes >= ratio * s.size:
                 continue
@@ -286,12 +286,15 @@ class NvmeMaintenance:
             await self._drop_corrupt(bad)
             report.dropped = self.counters.corrupt - before
         for seg in damaged:
-            if seg.retired:
+            if seg.retired or os.path.basename(seg.path) in self.headless:
                 continue
             if seg is self._active:
                 self._active = None   # sealed, so it can be copied forward
             report.rewritten += bool(await self._rewrite(seg))
-        self.headless.clear()   # a writable open removed them
+        for seg in [s for s in self._segments.values() if os.path.basename(s.path) in self.headless]:
+            self._drop(seg)           # unreadable without its seal: nothing to copy forward
+            report.rewritten += 1
+        self.headless.clear()
         report.remaining = (await self.check(fix=False)).problems
 
     async def _rewrite(self: "NvmeTier", seg: Segment) -> int:

@@ -148,7 +148,7 @@ class NvmeSpace:
         """Unlink all-dead segments that hold no tombstone still needed. Returns bytes freed."""
         freed = 0
         for seg in list(self._segments.values()):
-            if seg.live_bytes or seg.writing or (seg is self._active and not seg.has_records):
+            if seg.live_bytes or seg.writing or seg.unreadable or (seg is self._active and not seg.has_records):
                 continue
             if seg is not self._oldest():
                 self._prune_tombs(seg)

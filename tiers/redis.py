@@ -67,6 +67,7 @@ from kvstore.tiers import compress
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.redis_wire import (
     DOWN,
+    FOREIGN,
     NET_ERRORS,
     REDIRECT,
     Breaker,
@@ -454,6 +455,9 @@ class RedisTier(TierOps):
         out: list[PutOutcome | None] = [None] * len(keys)
         sends, reserved, seen = [], 0, set()
         for i, (key, view) in enumerate(zip(keys, views)):
+            if key in self._unlink_owed:   # its UNLINK failed and may still land (a hung server runs
+                self._unlink_owed.discard(key)   # it on waking): not held; SET NX tells which it is
+                self._ledger.remove(key)
             if key in seen or self._ledger.holds(key):
                 out[i] = PutOutcome.EXISTS
                 continue
@@ -539,17 +543,20 @@ class RedisTier(TierOps):
         mismatch = next((r for r in results if isinstance(r, LayoutMismatch)), None)
         if mismatch is not None:
             raise mismatch
-        out = [GetOutcome.UNAVAILABLE if r is DOWN else r for r in results]
+        for key, r in zip(keys, results):
+            self._count_get(key, GetOutcome.UNAVAILABLE if r is DOWN else r)
+        out = [GetOutcome.UNAVAILABLE if r is DOWN else GetOutcome.MISS if r is FOREIGN else r
+               for r in results]
         corrupt = [k for k, o in zip(keys, out) if o is GetOutcome.CORRUPT]
-        for key, o in zip(keys, out):
-            self._count_get(key, o)
         if corrupt:  # drop them so the next put can store a good copy
             await self.delete_many(corrupt)
         return out  # type: ignore[return-value]
 
-    def _count_get(self, key: BlockKey, outcome: GetOutcome) -> None:
+    def _count_get(self, key: BlockKey, outcome: object) -> None:
         st = self.stats
-        if outcome is GetOutcome.HIT:
+        if outcome is FOREIGN:   # there, but not the caller's: the ledger keeps it
+            st.misses += 1
+        elif outcome is GetOutcome.HIT:
             st.hits += 1
         elif outcome is GetOutcome.MISS:
             st.misses += 1

@@ -227,6 +227,7 @@ class Marker:
 
 DOWN = Marker("DOWN")          # the item's server could not be reached
 REDIRECT = Marker("REDIRECT")  # cluster slot moved: redo through redis-py
+FOREIGN = Marker("FOREIGN")    # the record belongs to another owner: a miss, but it is there
 
 
 
@@ -383,10 +384,13 @@ async def read_record(reader, spec: BlockSpec,
         await skip(reader, n - HEADER_BYTES + 2)
         return GetOutcome.CORRUPT
     try:
-        check_layout(head, spec)
+        readable = check_layout(head, spec)
     except LayoutMismatch as exc:
         await skip(reader, n - HEADER_BYTES + 2)
         return exc
+    if not readable:          # another owner's record: a miss for this caller
+        await skip(reader, n - HEADER_BYTES + 2)
+        return FOREIGN
     ok = await read_payload(reader, head, dst)
     await skip(reader, 2)
     if not ok:

@@ -133,7 +133,10 @@ def read_framing(fd: int, size: int) -> Framing | None:
 def recover_framing(fd: int, size: int) -> Framing | None:
     """The framing of a segment whose header is damaged, from its first frame
     (blocking): offset 64 always holds a frame the tier wrote, never payload,
-    so a seal read there is the segment's own if an intact header follows it."""
+    so a seal read there is the segment's own if an intact header follows it.
+    Nothing else can be trusted for the seal (a payload can hold any chain of
+    seal-and-header lookalikes), so a damaged first record as well (they share
+    the first 4 KiB page) leaves the segment unreadable: None."""
     if size < SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES:
         return None
     cand = Framing(os.pread(fd, SEAL_BYTES, SEGMENT_HEADER_BYTES))
@@ -170,7 +173,7 @@ class Segment:
     """
 
     __slots__ = ("id", "path", "fd", "framing", "size", "live_bytes", "keys", "dead", "tombs", "pruned",
-                 "pins", "writing", "retired", "dir_synced", "frozen")
+                 "pins", "writing", "retired", "dir_synced", "frozen", "unreadable")
 
     def __init__(self, seg_id: int, path: str, fd: int, framing: Framing, size: int) -> None:
         self.id = seg_id
@@ -188,6 +191,7 @@ class Segment:
         self.retired = False
         self.dir_synced = True   # False for a freshly created file until its directory is fsynced
         self.frozen = False      # opened read-only (the file or disk refused writes): never appended to
+        self.unreadable = False  # its seal is lost: kept (not reclaimed) until evicted or check --fix
 
     def __repr__(self) -> str:
         return f"Segment({self.id:#x}, size={self.size}, live={self.live_bytes}, retired={self.retired})"

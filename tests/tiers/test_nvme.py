@@ -277,10 +277,14 @@ def test_eviction_bounds_disk_use_and_reports_keys(tmp_path):
         assert held == {key(i) for i in range(60 - len(held), 60)}   # FIFO: the newest stay
         assert evicted == [key(i) for i in range(len(evicted))]      # in age order
         assert set((await outcomes(tier, range(60 - len(held), 60))).values()) == {GetOutcome.HIT}
-        # one batch bigger than the tier: it stays bounded and says what went
+        # one batch bigger than the tier: it stays bounded and says what went; the
+        # batch's own blocks its later ones evicted are not held, so not stored
         outs = await put(tier, range(100, 130))
-        assert outs == [PutOutcome.STORED] * 30 and tier.used_bytes <= tier.capacity_bytes
-        assert len(tier.drain_evicted()) + len(list(tier.iter_keys())) == len(held) + 30
+        kept = outs.count(PutOutcome.STORED)
+        assert outs == [PutOutcome.NO_SPACE] * (30 - kept) + [PutOutcome.STORED] * kept, outs
+        assert 0 < kept < 30 and tier.used_bytes <= tier.capacity_bytes
+        assert set(tier.iter_keys()) == {key(i) for i in range(130 - kept, 130)}
+        assert len(tier.drain_evicted()) == len(held) + 30 - kept
         await tier.close()
         tier = NvmeTier(cfg(tmp_path, blocks=6, seg_blocks=2))  # reopened smaller: evicts to fit
         assert tier.used_bytes <= tier.capacity_bytes and tier.drain_evicted()
@@ -1152,3 +1156,36 @@ def test_delete_churn_keeps_tombstones_and_compaction_bounded(tmp_path):
         assert sorted(tier.iter_keys()) == live
         await tier.close()
     asyncio.run(asyncio.wait_for(main(), 60))   # the churn takes ~2 s
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["first-write-fails", "first-write-lands"])
+def test_a_put_of_a_key_being_written_answers_as_that_write_ends(tmp_path, monkeypatch, fails):
+    """Two puts of one key at once (two engines, one system prompt): the second
+    answered EXISTS at once, before the first was on disk; under fsync that
+    acknowledged a block the first write's failure (or a crash) then lost."""
+    async def main():
+        tier = NvmeTier(cfg(tmp_path, durability="fsync"))
+        gate = threading.Event()
+        real = tier._write_group
+
+        def slow(seg, off, items):            # fault injection: the first write waits, then fails or lands
+            gate.wait(5)
+            if fails:
+                raise OSError(errno.EIO, "I/O error")
+            return real(seg, off, items)
+        monkeypatch.setattr(tier, "_write_group", slow)
+        first = asyncio.ensure_future(put(tier, [1]))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(put(tier, [1, 2]))
+        await asyncio.sleep(0.05)
+        assert not second.done(), "the second put answered before the first write ended"
+        gate.set()
+        a, b = await first, await second
+        if fails:
+            assert a == [PutOutcome.UNAVAILABLE] and b[0] is PutOutcome.UNAVAILABLE
+            assert not await tier.contains(key(1))
+        else:
+            assert a == [PutOutcome.STORED] and b[0] is PutOutcome.EXISTS
+            assert await tier.contains(key(1))
+        await tier.close()
+    asyncio.run(main())

@@ -253,3 +253,33 @@ def test_version_1_segments_are_read_but_never_resynced_or_appended_to(tmp_path)
         assert sorted(tier.iter_keys()) == sorted([key(0), key(9)]) and not seg.exists()
         await tier.close()
     asyncio.run(main())
+
+
+def test_a_segment_whose_header_and_first_record_are_damaged_is_kept_and_reported(tmp_path):
+    """Its seal cannot be recovered, so none of its records can be trusted; but
+    it is not unlinked on open (it holds acknowledged blocks a person may want
+    back): reported by check, removed by check --fix, or evicted in its turn."""
+    async def fill():
+        tier = NvmeTier(config(tmp_path))
+        for i in range(6):
+            await tier.put(SMALL, key(i), payload(i, BLOCK))
+        await tier.close()
+    asyncio.run(fill())
+    seg = the_segment(tmp_path)
+    size = seg.stat().st_size
+    with open(seg, "r+b") as f:
+        f.write(b"\xff" * 300)                       # a lost first page, in part
+
+    async def reopen():
+        tier = NvmeTier(config(tmp_path))
+        assert list(tier.iter_keys()) == [] and seg.exists() and seg.stat().st_size == size
+        report = await tier.check()
+        assert any("segment header" in p for p in report.problems)
+        await tier.put(SMALL, key(9), payload(9, BLOCK))   # the tier goes on, in a new segment
+        await tier.close()
+        tier = NvmeTier(config(tmp_path))
+        assert seg.exists()
+        fixed = await tier.check(fix=True)
+        assert fixed.remaining == [] and not seg.exists() and list(tier.iter_keys()) == [key(9)]
+        await tier.close()
+    asyncio.run(reopen())

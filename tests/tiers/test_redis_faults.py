@@ -261,3 +261,33 @@ def test_after_an_outage_at_capacity_puts_alone_bring_the_tier_back(redis_server
         assert redis.used_bytes == int(server.command("DBSIZE")[1:-2]) * per
         await store.aclose()
     asyncio.run(body())
+
+
+def test_a_put_of_a_key_whose_unlink_is_owed_is_not_acknowledged_from_the_ledger(redis_server_factory):
+    """delete while the server hangs (owed: it may still run when the server
+    wakes), then put the same key: it answered EXISTS from the ledger, and the
+    late UNLINK then removed the block it had acknowledged. Now such a key
+    counts as not held: the put asks the server (here: unavailable, it hangs),
+    and once the server is back a put stores it for real."""
+    import signal
+    server = redis_server_factory()
+
+    async def body():
+        tier = _tier(server.url)
+        assert await tier.put(SPEC, key(1), payload(1)) is PutOutcome.STORED
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert await tier.delete(key(1)) is False            # owed
+            assert key(1) in tier._unlink_owed
+            assert await tier.put(SPEC, key(1), payload(1)) is PutOutcome.UNAVAILABLE
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(1.2)                                  # the late UNLINK has run by now
+        assert await tier.put(SPEC, key(1), payload(1)) in (PutOutcome.STORED, PutOutcome.EXISTS)
+        if tier._resync_task is not None:
+            await asyncio.wait_for(tier._resync_task, 5)
+        assert await tier.contains(key(1)), "an acknowledged block is gone"
+        dst = np.zeros(BLOCK, np.uint8)
+        assert await tier.get_into(SPEC, key(1), dst) is GetOutcome.HIT and np.array_equal(dst, payload(1))
+        await tier.close()
+    asyncio.run(body())
