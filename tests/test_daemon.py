@@ -38,7 +38,6 @@ from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.protocol import (
     HEADER_SIZE,
     MAX_KEYS,
-    MAX_META_BYTES,
     STATUS_ERROR,
     AuthFailed,
     Op,
