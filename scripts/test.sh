@@ -20,7 +20,7 @@ step "python packages"
 # with the CPU torch, so install it without dependencies plus the modules its
 # storage code imports.
 "$PY" -m pip install --quiet --no-deps "sglang==0.5.23"
-"$PY" -m pip install --quiet psutil pybase64 triton starlette msgspec pyzmq aiohttp
+"$PY" -m pip install --quiet psutil pybase64 triton starlette msgspec pyzmq aiohttp orjson
 
 step "redis-server"
 if ! command -v redis-server >/dev/null 2>&1; then
