@@ -47,6 +47,8 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be a non-negative int below 2**62, got {repr(v)[:40]}")
         if self.nvme_bytes and not self.nvme_path:
             raise ConfigError("nvme_bytes given without nvme_path")
+        if self.nvme_path and not self.nvme_bytes:   # else the tier would silently not be there
+            raise ConfigError("nvme_path given without nvme_bytes (the NVMe tier's size)")
         if self.nvme_durability not in ("none", "fsync"):
             raise ConfigError(f"nvme_durability must be none or fsync, got {self.nvme_durability!r}")
         if self.redis_url is not None and not str(self.redis_url).startswith(("redis://", "rediss://")):

@@ -50,7 +50,10 @@ class DaemonProc:
             sock = root / "kv.sock"
             if len(str(sock).encode()) > SUN_PATH_MAX:
                 sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
-            config = {"store": {"nvme_path": str(root / "nvme"), **(store or {})},
+            store = dict(store or {})
+            if store.get("nvme_bytes"):
+                store.setdefault("nvme_path", str(root / "nvme"))
+            config = {"store": store,
                       "unix_path": str(sock),
                       # admin: the harness reads the whole store's counters (tier hits, ...)
                       "tenants": [{"name": tenant, "token": token, "admin": True}]}

@@ -1,8 +1,6 @@
 """The one place environment variables are read.
 
-KVSTORE_CONFIG     path to a JSON store config (see kvstore.config.StoreConfig)
-KVSTORE_REDIS_URL  default Redis URL for the L3 tier and the benchmarks
-KVSTORE_DATA_DIR   default directory for the NVMe tier
+KVSTORE_REDIS_URL  default Redis URL for the benchmarks (kvstore bench tiers --tiers redis)
 KVSTORE_LOG_LEVEL  logging level for the CLI (default WARNING); inside an
                    engine, set, it gives kvstore's loggers a stderr handler
                    at that level (e.g. DEBUG: the connector's load timings)
@@ -12,15 +10,12 @@ KVSTORE_CACHE_DIR  where benchmarks keep what they build once, e.g. models
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    config_path: str | None
     redis_url: str | None
-    data_dir: str
     log_level: str
     log_level_set: bool
     cache_dir: str
@@ -29,9 +24,7 @@ class Settings:
 def load() -> Settings:
     env = os.environ
     return Settings(
-        config_path=env.get("KVSTORE_CONFIG") or None,
         redis_url=env.get("KVSTORE_REDIS_URL") or None,
-        data_dir=env.get("KVSTORE_DATA_DIR") or os.path.join(tempfile.gettempdir(), "kvstore"),
         log_level=env.get("KVSTORE_LOG_LEVEL", "WARNING").upper(),
         log_level_set=bool(env.get("KVSTORE_LOG_LEVEL")),
         cache_dir=env.get("KVSTORE_CACHE_DIR") or os.path.join(

@@ -171,3 +171,11 @@ def test_memory_the_machine_does_not_have_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot open a tier"):
         with open_store(cfg):
             pass
+
+
+def test_an_nvme_path_without_a_size_is_an_error_not_a_missing_tier(tmp_path):
+    with pytest.raises(ConfigError, match="nvme_bytes"):
+        StoreConfig(nvme_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="nvme_path"):
+        StoreConfig(nvme_bytes=1 << 20)
+    assert StoreConfig(nvme_path=str(tmp_path), nvme_bytes=1 << 20).nvme_bytes == 1 << 20
