@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.record import BlockSpec
 from kvstore.tiers.hbm import HbmConfig, HbmTier, slot_bytes_for
 
@@ -70,7 +71,7 @@ def _host_buffer(backend, host: str, total: int, seed: int) -> tuple[np.ndarray,
         return pinned, pinned
     if host == "pageable":
         return pinned, pinned.copy()
-    raise ValueError(f"host must be pinned or pageable, got {host!r}")
+    raise ConfigError(f"host must be pinned or pageable, got {host!r}")
 
 
 def _measure_host(tier: HbmTier, loop, host: str, block_bytes: int, n_blocks: int, repeats: int,
@@ -102,7 +103,7 @@ def _measure_host(tier: HbmTier, loop, host: str, block_bytes: int, n_blocks: in
             method(spec, [keys[i] for i in c], [views[i] for i in c]))]
         dt = clock() - t0
         if any(o.value not in ("stored", "hit") for o in outcomes):
-            raise RuntimeError(f"hbm bench: unexpected outcomes {set(outcomes)}")
+            raise KVStoreError(f"hbm bench: unexpected outcomes {set(outcomes)}")
         return dt
 
     times: dict[str, list[float]] = {"raw_h2d": [], "put": [], "raw_d2h": [], "get": []}
@@ -113,7 +114,7 @@ def _measure_host(tier: HbmTier, loop, host: str, block_bytes: int, n_blocks: in
             buf[:] = 0
         sample["get"] = timed(tier.get_into_many)
         if rep == 0 and not np.array_equal(buf, expect):
-            raise RuntimeError("hbm bench: get_into returned other bytes than were put")
+            raise KVStoreError("hbm bench: get_into returned other bytes than were put")
         loop.run_until_complete(tier.delete_many(keys))
         if rep:
             for name, dt in sample.items():

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.remote import RemoteConfig, RemoteStore
 
 SUN_PATH_MAX = 107          # bytes a Unix socket path may have (108 with the NUL)
@@ -79,7 +79,7 @@ class DaemonProc:
     @property
     def pid(self) -> int:
         if self.proc is None:
-            raise RuntimeError("kvstore serve is not running")
+            raise KVStoreError("kvstore serve is not running")
         return self.proc.pid
 
     def alive(self) -> bool:
@@ -88,7 +88,7 @@ class DaemonProc:
     def start(self, timeout_s: float = 30.0) -> DaemonProc:
         """Spawn the daemon and return once it answers a ping (blocking)."""
         if self.proc is not None:
-            raise RuntimeError("kvstore serve is already running")
+            raise KVStoreError("kvstore serve is already running")
         self.starts += 1
         self.config_path.write_text(json.dumps(self.config))
         with open(self.log_path, "wb") as log:
@@ -116,7 +116,7 @@ class DaemonProc:
         """SIGTERM (drain: finish requests, flush DRAM to NVMe, close) and
         wait; returns the exit status."""
         if self.proc is None:
-            raise RuntimeError("kvstore serve is not running")
+            raise KVStoreError("kvstore serve is not running")
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout_s)

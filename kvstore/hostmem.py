@@ -12,6 +12,7 @@ import mmap
 import numpy as np
 
 from kvstore import gpu
+from kvstore.errors import ConfigError
 
 PAGE = 4096
 
@@ -19,7 +20,7 @@ PAGE = 4096
 def alloc_arena(nbytes: int, *, pinned: str = "auto") -> tuple[np.ndarray, bool]:
     """Return (uint8 array of ``nbytes``, is_pinned). ``pinned``: auto|yes|no."""
     if pinned not in ("auto", "yes", "no"):
-        raise ValueError(f"pinned must be auto, yes or no, got {pinned!r}")
+        raise ConfigError(f"pinned must be auto, yes or no, got {pinned!r}")
     if pinned != "no":
         arr = gpu.alloc_pinned(nbytes)
         if arr is not None:
