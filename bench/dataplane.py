@@ -49,8 +49,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from kvstore.bench.trace import TraceRequest
 
+from kvstore.bench.trace import TraceRequest
 from kvstore.demo import payload_for, stand_in_tokens
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity, KVLayout

@@ -18,7 +18,14 @@ import os
 import sys
 from typing import Any
 
-WORDS = ["the", "a", "an", "of", "to", "in", "is", "was", "for", "on", "with", "as", "by", "at", "from", "that", "this", "it", "be", "are", "cache", "block", "token", "model", "store", "tier", "page", "prefix", "hit", "miss", "load", "save", "key", "value", "layer", "head", "agent", "tool", "call", "task", "plan", "step", "read", "write", "fast", "slow", "disk", "memory", "system", "user", "assistant", "answer", "question", "red", "green", "blue", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "alpha", "beta", "gamma", "delta"]
+WORDS = [
+    'the', 'a', 'an', 'of', 'to', 'in', 'is', 'was', 'for', 'on', 'with', 'as', 'by', 'at', 'from', 'that',
+    'this', 'it', 'be', 'are', 'cache', 'block', 'token', 'model', 'store', 'tier', 'page', 'prefix', 'hit',
+    'miss', 'load', 'save', 'key', 'value', 'layer', 'head', 'agent', 'tool', 'call', 'task', 'plan',
+    'step', 'read', 'write', 'fast', 'slow', 'disk', 'memory', 'system', 'user', 'assistant', 'answer',
+    'question', 'red', 'green', 'blue', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight',
+    'nine', 'ten', 'alpha', 'beta', 'gamma', 'delta',
+]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 FIRST_WORD_ID = len(SPECIAL)          # random prompts draw ids from [FIRST_WORD_ID, vocab)
 

@@ -32,12 +32,11 @@ from pathlib import Path
 from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.simulate import DataPlane, SimTier, Simulator
 from kvstore.bench.trace import TraceRequest, read_trace
+from kvstore.errors import ConfigError
 from kvstore.policies.belady import belady_tier_hits
 from kvstore.policies.eviction import LRU, make_eviction
 from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
-
-from kvstore.errors import ConfigError
 
 POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle")
 DEFAULT_POLICIES = POLICY_NAMES[:5]
@@ -404,7 +403,8 @@ def render_table(result: dict):
     for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "TTFT mean",
                 "p50", "p99", "trough") + (("data plane",) if dp else ()):
         table.add_column(col, justify="left" if col in ("policy", "by tier") else "right")
-    f = lambda v, s="{:.1%}": "-" if v is None else s.format(v)
+    def f(v, s="{:.1%}"):
+        return "-" if v is None else s.format(v)
     for name, p in result["policies"].items():
         tiers = " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v)
         table.add_row(name, f(p["hit_rate"]), tiers or "-", f(p["task_hit_rate"]),

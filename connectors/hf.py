@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from kvstore.connectors._common import (
     StoreGuard,
     attention_kind,
@@ -36,9 +37,9 @@ from kvstore.connectors._common import (
 )
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
-from kvstore.policies.base import check_followup
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.policies.base import check_followup
 
 try:
     import torch

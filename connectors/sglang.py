@@ -40,6 +40,7 @@ import logging
 from typing import Any
 
 import numpy as np
+
 from kvstore.connectors._common import (
     ConnectorConfig,
     StoreGuard,
@@ -47,7 +48,6 @@ from kvstore.connectors._common import (
     dtype_name,
     shared_store,
 )
-
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey

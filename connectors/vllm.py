@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from kvstore.connectors._common import (
     ConnectorConfig,
     StoreGuard,
@@ -64,7 +65,6 @@ from kvstore.connectors._common import (
     rope_fields,
     shared_store,
 )
-
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain, MediaRef

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-from typing import Awaitable
 from itertools import islice
+from typing import Awaitable
 
 from rich.console import Console
 from rich.progress import Progress

@@ -25,7 +25,6 @@ This module is pure: framing, limits and error mapping, no sockets.
 """
 from __future__ import annotations
 
-
 import enum
 import struct
 from typing import Any

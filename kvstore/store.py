@@ -26,8 +26,8 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.leases import Leases
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
-from kvstore.policies.placement import Cascade
 from kvstore.policies.eviction import LRU
+from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier, check_batch

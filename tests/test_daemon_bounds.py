@@ -285,6 +285,7 @@ def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_p
     MAX_KEYS per request bounds how long one tenant holds up the others
     (65,536-key lookups on 4 connections held a PING for 100-330 ms)."""
     import threading
+
     from kvstore.protocol import MAX_KEYS
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     stop = threading.Event()

@@ -1,8 +1,7 @@
 """TieredStore over real DRAM tiers (and the reference tier as a slower one)."""
 import asyncio
-import threading
-
 import math
+import threading
 
 import numpy as np
 import pytest

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-
 from kvstore.errors import ConfigError
 from kvstore.hostmem import alloc_arena
 from kvstore.keys import BlockKey

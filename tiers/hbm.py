@@ -60,8 +60,15 @@ from kvstore.errors import ConfigError, InvalidBlock
 from kvstore.gpu import Backend, device_ref, select_backend
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.record import (FLAG_CHECKSUM, HEADER_BYTES, BlockSpec, RecordHeader, as_bytes_view,
-                            check_layout, unpack_header)
+from kvstore.record import (
+    FLAG_CHECKSUM,
+    HEADER_BYTES,
+    BlockSpec,
+    RecordHeader,
+    as_bytes_view,
+    check_layout,
+    unpack_header,
+)
 from kvstore.tiers.base import TierOps
 
 PAYLOAD_OFFSET = 256   # header + padding: the payload starts 256-aligned

@@ -94,9 +94,20 @@ from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
 from kvstore.tiers.nvme_space import NvmeSpace, _nothing_pinned
 from kvstore.tiers.nvme_tombs import NvmeTombstones, _is_tombstone
-from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES, Framing, Segment, \
-    pack_segment_header, parse_segment_name, pwritev_all, read_framing, read_record_into, \
-    recover_framing, scan_segment, start_writeback
+from kvstore.tiers.segments import (
+    FRAME_HEAD_BYTES,
+    SEGMENT_HEADER_BYTES,
+    Framing,
+    Segment,
+    pack_segment_header,
+    parse_segment_name,
+    pwritev_all,
+    read_framing,
+    read_record_into,
+    recover_framing,
+    scan_segment,
+    start_writeback,
+)
 
 __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 

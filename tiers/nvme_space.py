@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvstore.keys import BlockKey
 from kvstore.tiers.nvme_maint import _Loc
-from kvstore.tiers.segments import SEGMENT_HEADER_BYTES, Segment, new_framing, pack_segment_header, \
-    segment_name
+from kvstore.tiers.segments import SEGMENT_HEADER_BYTES, Segment, new_framing, pack_segment_header, segment_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.tiers.nvme import NvmeTier

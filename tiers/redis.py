@@ -63,6 +63,20 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import redis.asyncio as aredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from kvstore.errors import ConfigError, CorruptRecord, LayoutMismatch
+from kvstore.keys import BlockKey, storage_name
+from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.record import (
+    FLAG_CHECKSUM,
+    HEADER_BYTES,
+    BlockSpec,
+    RecordHeader,
+    make_header,
+    unpack_header,
+)
 from kvstore.tiers import compress
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.redis_wire import (
@@ -82,20 +96,6 @@ from kvstore.tiers.redis_wire import (
     read_record,
     read_small,
     set_frames,
-)
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import TimeoutError as RedisTimeout
-
-from kvstore.errors import ConfigError, CorruptRecord, LayoutMismatch
-from kvstore.keys import BlockKey, storage_name
-from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.record import (
-    FLAG_CHECKSUM,
-    HEADER_BYTES,
-    BlockSpec,
-    RecordHeader,
-    make_header,
-    unpack_header,
 )
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ import heapq
 import logging
 from collections.abc import Callable
 
-from kvstore.tiers import compress
 from redis.exceptions import RedisError
 
 from kvstore.errors import CorruptRecord, LayoutMismatch
@@ -28,6 +27,7 @@ from kvstore.record import (
     checksum,
     unpack_header,
 )
+from kvstore.tiers import compress
 
 log = logging.getLogger("kvstore.tiers.redis")
 

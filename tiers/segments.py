@@ -48,8 +48,7 @@ import xxhash
 
 from kvstore.errors import CorruptRecord
 from kvstore.keys import BlockKey
-from kvstore.record import FLAG_CHECKSUM, FLAG_TOMBSTONE, HEADER_BYTES, MAGIC, RecordHeader, \
-    checksum, unpack_header
+from kvstore.record import FLAG_CHECKSUM, FLAG_TOMBSTONE, HEADER_BYTES, MAGIC, RecordHeader, checksum, unpack_header
 
 log = logging.getLogger("kvstore.tiers.nvme")
 SUFFIX = ".seg"

@@ -8,6 +8,7 @@ import os
 from dataclasses import replace
 
 import pytest
+
 from kvstore.bench.dataplane import (
     DataPlaneConfig,
     KeyMap,
@@ -18,7 +19,6 @@ from kvstore.bench.dataplane import (
 from kvstore.bench.replay import ReplayConfig, load_requests, run_replay
 from kvstore.bench.trace import TraceRequest
 from kvstore.bench.workload import AgentWorkloadConfig
-
 from kvstore.errors import ConfigError
 from kvstore.outcomes import PutOutcome
 

@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from kvstore.bench.costmodel import make_cost_model
 from kvstore.bench.replay import (
     ReplayConfig,

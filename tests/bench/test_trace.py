@@ -65,7 +65,8 @@ def test_followup_hint_field(tmp_path):
     assert [r.followup for r in read_trace(p)] == [1.0, 0.25, None]
     for bad in ("1.5", '"yes"', "-0.1"):
         p.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7]}\n'
-                     f'{{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7], "followup": {bad}}}\n')
+                     f'{{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7], '
+                     f'"followup": {bad}}}\n')
         with pytest.raises(TraceFormatError, match="followup") as ei:
             read_trace(p)
         assert ei.value.line == 2

@@ -15,9 +15,8 @@ from kvstore.outcomes import MissReason
 
 def make_store(dram_bytes: int = 256 << 20, **fields: Any):
     """A blocking KVStore over a real DRAM tier (plus whatever ``fields`` add)."""
-    from kvstore.connectors._common import open_store
-
     from kvstore.config import StoreConfig
+    from kvstore.connectors._common import open_store
 
     return open_store(StoreConfig(dram_bytes=dram_bytes, **fields))
 

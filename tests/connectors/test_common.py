@@ -5,6 +5,7 @@ import logging
 import math
 
 import pytest
+
 from kvstore.connectors._common import FOLLOWUP_PARAM, StoreGuard, request_followup
 
 

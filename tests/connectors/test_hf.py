@@ -7,7 +7,6 @@ torch = pytest.importorskip("torch", reason="the hf connector needs torch")
 pytest.importorskip("transformers", reason="the hf connector needs transformers")
 
 from kvstore.connectors.hf import HFPrefixCache, cache_kwarg, identity_for_model
-
 from kvstore.errors import InvalidHint
 from kvstore.outcomes import MissReason, PutOutcome
 from tests.connectors.stores import CorruptOnRead, DownStore, make_store

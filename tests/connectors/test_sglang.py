@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch", reason="the sglang connector needs torch")
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
                     reason="sglang is not installed (pip install --no-deps sglang + its storage deps)")
 
-from kvstore.connectors.sglang import KVStoreHiCache
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
+from kvstore.connectors.sglang import KVStoreHiCache
 from tests.connectors.stores import CorruptOnRead, DownStore
 
 pytestmark = pytest.mark.sglang

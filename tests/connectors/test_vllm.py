@@ -76,7 +76,8 @@ def runs(tmp_path_factory):
     try:
         store = {"dram_bytes": 0, "redis_url": server.url}
         conn = {"store": store, "identity": {"model_revision": "test"}}
-        gen = lambda i, t, salt=None: {"op": "generate", "id": i, "tokens": t, "salt": salt}
+        def gen(i, t, salt=None):
+            return {"op": "generate", "id": i, "tokens": t, "salt": salt}
         spec = {"model": str(model), "engines": [
             {"name": "plain", "connector": None, "steps": [gen("A", A), gen("B", B), gen("C", C),
                                                            gen("D", D)]},

@@ -5,8 +5,7 @@ import pytest
 from kvstore.errors import ConfigError, InvalidHint
 from kvstore.policies.base import PlacementPolicy
 from kvstore.policies.eviction import ClassedLRU
-from kvstore.policies.regime import (FrequencyFilter, Regime, RegimeConfig, RegimePlacement, ReuseModel,
-                                     auto_thresholds)
+from kvstore.policies.regime import FrequencyFilter, Regime, RegimeConfig, RegimePlacement, ReuseModel, auto_thresholds
 
 TIERS = ["hbm", "dram", "nvme", "redis"]
 

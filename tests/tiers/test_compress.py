@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvstore.tiers import compress
 
 from kvstore.errors import ConfigError, CorruptRecord
 from kvstore.record import FLAG_LZ4, FLAG_SHUFFLE
+from kvstore.tiers import compress
 
 
 def _kv_like(n: int, seed: int = 0) -> np.ndarray:

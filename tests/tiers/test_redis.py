@@ -7,11 +7,11 @@ import itertools
 
 import numpy as np
 import pytest
-from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from kvstore.errors import ConfigError
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import HEADER_BYTES, unpack_header
+from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from .contract import BLOCK, SPEC, TierContract, key, payload
 

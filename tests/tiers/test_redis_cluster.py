@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
-from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from .contract import BLOCK, SPEC, TierContract, key, payload
 

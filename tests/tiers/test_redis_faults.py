@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 import pytest
-from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import BlockSpec
+from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from .contract import BLOCK, SPEC, key, payload
 
