@@ -59,8 +59,8 @@ def build_tokenizer(vocab_size: int = TINY["vocab_size"]):
 def llama_config(**overrides: Any):
     from transformers import LlamaConfig
 
-    spec = dict(TINY, bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
-                torch_dtype="float32")
+    spec: dict[str, Any] = dict(TINY, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                                tie_word_embeddings=False, torch_dtype="float32")
     spec.update(overrides)
     return LlamaConfig(**spec)
 

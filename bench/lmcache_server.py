@@ -113,7 +113,7 @@ class LMCacheServer:
     def start(self, timeout_s: float = 120.0) -> Self:
         """Launch and block until it serves; raise with the log tail if it dies or stalls."""
         if self.running:
-            raise KVStoreError(f"LMCache server already running (pid {self._proc.pid})")
+            raise KVStoreError(f"LMCache server already running (pid {self._proc.pid if self._proc else '?'})")
         self.root.mkdir(parents=True, exist_ok=True)
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         env = {**os.environ, **self.engine_env(), "PYTHONUNBUFFERED": "1"}

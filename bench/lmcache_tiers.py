@@ -45,7 +45,7 @@ import time
 from collections import deque
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,10 +171,10 @@ def peer_summary(ours: list[dict], peer: list[dict], info: dict) -> dict:
                                                     r[("dram get", "lmcache-cpu get")]) >= 1.0
     # like for like: LMCache's own put only reaches the page cache, as ours does with
     # durability none (our default); with fdatasync added to both, the durable pair
-    for ours, key in (("nvme put", "durable"), ("nvme put-nosync", "page_cache")):
-        peer = "lmcache-disk " + ours.split()[1]
-        if (ours, peer) in r:
-            goals[f"nvme_put_at_least_2x_lmcache_disk_{key}"] = r[(ours, peer)] >= 2.0
+    for mine, kind in (("nvme put", "durable"), ("nvme put-nosync", "page_cache")):
+        theirs = "lmcache-disk " + mine.split()[1]
+        if (mine, theirs) in r:
+            goals[f"nvme_put_at_least_2x_lmcache_disk_{kind}"] = r[(mine, theirs)] >= 2.0
     return {"name": "lmcache", **info, "ratios": ratios, "goals": goals}
 
 
@@ -207,7 +207,8 @@ def _manager(shape: tuple[int, ...], cpu_bytes: int, disk_dir: str | None = None
     from lmcache.v1.metadata import LMCacheMetadata  # noqa: PLC0415
     from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: PLC0415
 
-    conf = {"chunk_size": shape[2], "local_cpu": disk_dir is None, "max_local_cpu_size": cpu_bytes / GIB}
+    conf: dict[str, Any] = {"chunk_size": shape[2], "local_cpu": disk_dir is None,
+                            "max_local_cpu_size": cpu_bytes / GIB}
     if disk_dir:
         conf.update(local_disk=disk_dir, max_local_disk_size=disk_bytes / GIB)
     metadata = LMCacheMetadata(model_name="kvstore-bench", world_size=1, local_world_size=1, worker_id=0,
@@ -279,12 +280,12 @@ def bench_lmcache_cpu(cfg: tb.TierBenchConfig, tick: Callable[[], None]) -> list
     put, get, raw_put, raw_get = [], [], [], []
     try:
         for _ in range(cfg.repeats):
-            raw_put.append(tb.timed(lambda: [np.copyto(raw_arena[i], src[i]) for i in range(n)], n * bb))
+            raw_put.append(tb.timed(lambda: tb._copy_all(raw_arena, src), n * bb))
             put.append(tb.timed(lambda: _store(sm, keys, src, shape, cfg.batch), n * bb))
             stored = sum(sm.contains(k, search_range=["LocalCPUBackend"]) is not None for k in keys)
             if stored != n:
                 raise KVStoreError(f"lmcache-cpu put: {n - stored} of {n} blocks not stored")
-            raw_get.append(tb.timed(lambda: [np.copyto(dst[i], raw_arena[i]) for i in range(n)], n * bb))
+            raw_get.append(tb.timed(lambda: tb._copy_all(dst, raw_arena), n * bb))
             _scramble(dst)
             get.append(tb.timed(lambda: _retrieve(sm, keys, dst, cfg.batch, "LocalCPUBackend"), n * bb))
             _verify(dst, src, "lmcache-cpu get")

@@ -64,7 +64,7 @@ def raw_sync(url: str, blocks: Sequence[np.ndarray], batch: int, *,
         for i in range(0, n, batch):
             pipe = client.pipeline(transaction=False)
             for j in range(i, min(i + batch, n)):
-                pipe.set(names[j], memoryview(blocks[j]))
+                pipe.set(names[j], blocks[j].data)
             pipe.execute()
         put = _gbps(total, time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -198,7 +198,8 @@ def bench_redis(cfg, tick: Callable[[], None]) -> list[dict]:
 
     blocks = make_blocks(cfg.blocks, cfg.block_bytes)
     samples: dict[str, list[tuple[float, float]]] = {}
-    put, get = [], []
+    put: list[float] = []
+    get: list[float] = []
     for _ in range(cfg.repeats):
         for method, figures in raw_runs(cfg.redis_url, blocks, cfg.batch).items():
             samples.setdefault(method, []).append(figures)
@@ -207,9 +208,9 @@ def bench_redis(cfg, tick: Callable[[], None]) -> list[dict]:
         get.append(g)
         tick()
     rows = []
-    for k, (op, figures) in enumerate((("put", put), ("get", get))):
+    for k, (op, measured) in enumerate((("put", put), ("get", get))):
         method = best_method(samples, k)
-        rows.append({**row("redis", op, cfg.block_bytes, figures, [x[k] for x in samples[method]]),
+        rows.append({**row("redis", op, cfg.block_bytes, measured, [x[k] for x in samples[method]]),
                      "raw_method": method})
     return rows
 
@@ -223,13 +224,13 @@ def measure_codec(payloads: Sequence[np.ndarray], codec: str) -> dict[str, float
 
     raw = sum(p.nbytes for p in payloads)
     t0 = time.perf_counter()
-    encoded = [compress.encode(memoryview(p).cast("B"), codec) for p in payloads]
+    encoded = [compress.encode(p.data.cast("B"), codec) for p in payloads]
     enc = time.perf_counter() - t0
     stored = sum(len(e) if isinstance(e, bytes) else e.nbytes for e, _ in encoded)
     outs = [np.empty(p.nbytes, np.uint8) for p in payloads]
     t0 = time.perf_counter()
     for (e, flags), out in zip(encoded, outs):
-        compress.decode_into(e, flags, memoryview(out))
+        compress.decode_into(e, flags, out.data)
     dec = time.perf_counter() - t0
     if not all(np.array_equal(o, p.view(np.uint8).ravel()) for o, p in zip(outs, payloads)):
         raise AssertionError(f"codec {codec} did not round-trip")

@@ -150,12 +150,13 @@ def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig,
     sim = build_simulator(policy, cfg, cost, data_plane=data_plane)
     names = [t.name for t in sim.tiers]
     owned = data_plane_factory is not None and data_plane is None
-    if owned:
+    if data_plane_factory is not None and data_plane is None:
         sim.data_plane = data_plane = data_plane_factory(policy, names)
     try:
         run = _steps(sim, policy, requests, cfg, data_plane)
     finally:
-        summary = data_plane.close() if owned and hasattr(data_plane, "close") else None
+        close = getattr(data_plane, "close", None) if owned else None
+        summary = close() if close is not None else None
     run.data_plane = summary
     return run
 
@@ -210,14 +211,15 @@ def oracle_followups(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> lis
         own.append(next((h for h in sealed if h not in seen), sealed[-1] if sealed else None))
         seen.update(r.hash_ids)
     later: set[int] = set()
-    out: list[float | None] = [0.0] * len(requests)
+    out: list[float] = [0.0] * len(requests)
     for i in range(len(requests) - 1, -1, -1):
         out[i] = float(own[i] is not None and own[i] in later)
         later.update(requests[i].hash_ids)
     if cfg.oracle_noise:
         rng = random.Random(cfg.seed)
         out = [1.0 - h if rng.random() < cfg.oracle_noise else h for h in out]
-    return out
+    hints: list[float | None] = list(out)   # a hint for every request
+    return hints
 
 
 def run_belady(requests: Sequence[TraceRequest], cfg: ReplayConfig) -> PolicyRun:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.replay import ReplayConfig, run_belady, run_online, ttfts, write_json
@@ -50,7 +50,7 @@ def run_sweep(*, bands: Sequence[tuple[str, int]] = BANDS, cfg: ReplayConfig | N
     for band, ws in bands:
         reqs = generate(replace(workload, working_set_tokens=ws))
         arrivals = [r.timestamp_ms / 1000.0 for r in reqs]
-        row = {"band": band, "working_set_tokens": ws, "requests": len(reqs), "policies": {}}
+        row: dict[str, Any] = {"band": band, "working_set_tokens": ws, "requests": len(reqs), "policies": {}}
         for name in policies:
             run = run_belady(reqs, cfg) if name == "belady" else run_online(name, reqs, cfg, cost)
             q, done = queue(arrivals, ttfts(run, reqs, cfg, cost), workload.duration_s)
@@ -71,7 +71,8 @@ def run_sweep(*, bands: Sequence[tuple[str, int]] = BANDS, cfg: ReplayConfig | N
 
 def sweep_goals(result: dict) -> dict:
     """regime within 1% of the better baseline per band; strictly better overall."""
-    per_band, tot = [], {}
+    per_band: list[dict[str, Any]] = []
+    tot: dict[str, float] = {}
     for b in result["bands"]:
         p = b["policies"]
         if not {"regime", "hbm-only", "always-offload"} <= p.keys():

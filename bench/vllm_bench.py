@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from kvstore.bench.llama_model import FIRST_WORD_ID, MEDIUM
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
@@ -76,7 +76,8 @@ class VllmBenchConfig:
         if self.peer not in (None, "lmcache"):
             raise ConfigError(f"unknown peer {self.peer!r}; known: lmcache")
         if not self.cpu_bind:
-            self.cpu_bind = f"0-{os.cpu_count() - 1}" if (os.cpu_count() or 1) > 1 else "0"
+            cpus = os.cpu_count() or 1
+            self.cpu_bind = f"0-{cpus - 1}" if cpus > 1 else "0"
 
 
 # -- environment ---------------------------------------------------------------------
@@ -169,6 +170,7 @@ class EngineRun:
                 "passes": [{"name": p, "prompts": self.prompts} for p in passes]}
         stem.with_suffix(".spec.json").write_text(json.dumps(spec))
         out = stem.with_suffix(".out.json")
+        rc: int | str
         with open(stem.with_suffix(".log"), "wb") as log:
             try:
                 rc = subprocess.run([self.python, "-m", "kvstore.bench.vllm_engine",
@@ -205,7 +207,8 @@ def run_kvstore(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
            "kv_role": "kv_both", "kv_connector_extra_config": {
                "store": {"daemon_url": daemon.url, "daemon_token": DAEMON_TOKEN},
                "identity": {"model_revision": "bench"}}}
-    results, facts = {}, {}
+    results: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
     try:
         daemon.start()
         say("kvstore: cold and warm_same (one engine)")
@@ -233,7 +236,8 @@ def run_lmcache(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
                                 "sortedcontainers aiofiles aiofile nvtx redis")
     cfg = er.cfg
     server = LMCacheServer(er.python, er.workdir / "lmcache")
-    results, facts = {}, {}
+    results: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
     try:
         server.start()
         ktc, env = server.kv_transfer_config(), server.engine_env()
@@ -324,7 +328,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, say: Callable[[str], None] = lambda m: 
         say("plain engine (no connector)")
         rows = [make_row("plain", "plain", er.run("plain", ["plain"])["passes"]["plain"])]
         stores = [("kvstore", run_kvstore)] + ([("lmcache", run_lmcache)] if cfg.peer else [])
-        facts = {}
+        facts: dict[str, Any] = {}
         for engine, runner in stores:
             results, facts[engine] = runner(er, say)
             rows += [make_row(engine, c, results[c]) for c in CASES]

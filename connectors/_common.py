@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
@@ -52,7 +52,7 @@ def engine_logging() -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(s.log_level)
-    root._kvstore_engine_handler = True
+    root._kvstore_engine_handler = True  # type: ignore[attr-defined]  # a mark: installed once
 
 # identity fields a user may set in the connector config; the engine supplies
 # the rest (model, layout, dtype, shard) and they cannot be overridden, since a
@@ -210,7 +210,7 @@ def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], T] | None 
                           "(every lookup misses, saves are dropped)", type(exc).__name__, exc)
                 store = UnavailableStore(f"{type(exc).__name__}: {exc}")
             _STORES[key] = store
-        return store
+        return cast(T, store)   # the opener's type, or a stand-in with the same store API
 
 
 class UnavailableStore:

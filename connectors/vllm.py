@@ -542,6 +542,7 @@ class _Worker:
         li = self.index.get(layer_name)
         if li is None:
             return
+        assert self._ids is not None   # set with the staging buffer
         self._staging[:, li].copy_(kv_layer.index_select(0, self._ids), non_blocking=True)
         self._gathered.add(li)
 

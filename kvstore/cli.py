@@ -93,9 +93,9 @@ def check(nvme_path: str, fix: bool) -> None:
     the directory (it takes the tier's directory lock)."""
     import asyncio  # noqa: PLC0415
 
-    from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415
+    from kvstore.tiers.nvme import CheckReport, NvmeConfig, NvmeTier  # noqa: PLC0415
 
-    async def run() -> tuple[object, int]:
+    async def run() -> tuple[CheckReport, int]:
         tier = await NvmeTier.open(NvmeConfig(path=nvme_path, capacity_bytes=_check_capacity(nvme_path),
                                               read_only=not fix))
         try:

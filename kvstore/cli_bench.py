@@ -161,7 +161,10 @@ def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bin
                               model=model, peer=peer, cpu_bind=cpu_bind, vllm_python=vllm_python,
                               logprob_tol=logprob_tol, workdir=workdir)
         with console.status("starting") as status:
-            res = run_vllm_bench(cfg, say=lambda m: (status.update(m), console.log(m)))
+            def say(message: str) -> None:
+                status.update(message)
+                console.log(message)
+            res = run_vllm_bench(cfg, say=say)
         res["command"] = _command()
         if json_path:
             with open(json_path, "w", encoding="utf-8") as f:

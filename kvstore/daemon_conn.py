@@ -53,7 +53,7 @@ class Conn:
             except MemoryError:
                 self.tenant.give_buffer(nbytes)
                 raise
-        return memoryview(self.scratch)[:nbytes]
+        return self.scratch.data[:nbytes]
 
     def drop_scratch(self) -> int:
         """Give the receive buffer back; returns the bytes freed."""

@@ -125,7 +125,7 @@ class Handlers:
                 raise InvalidBlock("no shared memory attached (SHM_ATTACH first)")
             if n * nbytes > conn.shm.nbytes:
                 raise InvalidBlock(f"{n} blocks of {nbytes} bytes exceed the shared segment")
-            base = memoryview(conn.shm)
+            base = conn.shm.data
         elif payload is not None:
             if payload.nbytes != n * nbytes:
                 raise InvalidBlock(f"payload is {payload.nbytes} bytes, expected {n} x {nbytes}")

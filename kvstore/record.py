@@ -107,12 +107,15 @@ def unpack_header(buf: bytes | memoryview) -> RecordHeader:
     if len(buf) < HEADER_BYTES:
         raise CorruptRecord(f"short header: {len(buf)} bytes")
     head = bytes(buf[:HEADER_BYTES])
+    owner = 0
     if head[4] == 1:   # version 1: no owner
         body, (crc,) = head[:_HEAD_V1.size], _CRC.unpack_from(head, _HEAD_V1.size)
-        fields, owner = _HEAD_V1.unpack(body), 0
+        fields = _HEAD_V1.unpack(body)
     else:
         body, (crc,) = head[:_HEAD.size], _CRC.unpack_from(head, _HEAD.size)
-        *fields, owner = _HEAD.unpack(body)
+        fields = _HEAD.unpack(body)
+        owner = fields[-1]
+        fields = fields[:-1]
     if zlib.crc32(body) != crc:
         raise CorruptRecord("header checksum mismatch")
     magic, version, flags, key_len, _, stored, raw, key, ns, layout, csum = fields
@@ -121,7 +124,7 @@ def unpack_header(buf: bytes | memoryview) -> RecordHeader:
     return RecordHeader(BlockKey(key[:key_len]), ns, layout, stored, raw, csum, flags, owner)
 
 
-def checksum(payload: bytes | memoryview) -> int:
+def checksum(payload: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 

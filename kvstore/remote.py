@@ -195,6 +195,13 @@ class _Connection:
             self.sock.close()
 
 
+def _request(op: Op, meta: dict[str, Any]) -> Callable[[_Connection], dict[str, Any]]:
+    """A call of ``op`` with ``meta`` for ``RemoteStore._with_conn``."""
+    def send(conn: _Connection) -> dict[str, Any]:
+        return conn.call(op, meta)
+    return send
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -323,7 +330,7 @@ class RemoteStore:
                 meta["followup"] = followup
             if probe or n:        # a request is counted once: its later parts are probes
                 meta["probe"] = True
-            r = self._with_conn(lambda c, meta=meta: c.call(Op.LOOKUP, meta))
+            r = self._with_conn(_request(Op.LOOKUP, meta))
             if prefix == part.start:
                 prefix += r["prefix"]
             tiers += r["tiers"]
@@ -339,7 +346,8 @@ class RemoteStore:
         out: list[PutOutcome] = []
         for part in self._chunks(len(keys), spec.nbytes):
             ks, vs = [keys[i] for i in part], [views[i] for i in part]
-            r = self._with_conn(lambda c, ks=ks, vs=vs: self._put_on(c, ident, ks, vs, spec.nbytes))
+            r = self._with_conn(functools.partial(self._put_on, ident=ident, keys=ks, views=vs,
+                                                  nbytes=spec.nbytes))
             out.extend(PutOutcome(o) for o in r["outcomes"])
         return out
 
@@ -366,7 +374,8 @@ class RemoteStore:
         out: list[MissReason | None] = []
         for part in self._chunks(len(keys), spec.nbytes):
             ks, vs = [keys[i] for i in part], [views[i] for i in part]
-            r = self._with_conn(lambda c, ks=ks, vs=vs: self._get_on(c, ident, ks, vs, spec.nbytes))
+            r = self._with_conn(functools.partial(self._get_on, ident=ident, keys=ks, views=vs,
+                                                  nbytes=spec.nbytes))
             out.extend(None if x is None else MissReason(x) for x in r["reasons"])
         return out
 
@@ -405,7 +414,8 @@ class RemoteStore:
         for part in self._chunks(len(keys), spec.nbytes):
             ks = keys[part.start:part.stop]
             out.extend(self._with_conn(
-                lambda c, ks=ks, first=part.start: self._views_on(c, ident, ks, spec.nbytes, first, consume)))
+                functools.partial(self._views_on, ident=ident, keys=ks, nbytes=spec.nbytes, first=part.start,
+                                  consume=consume)))
         return out
 
     def _views_on(self, conn: _Connection, ident: bytes, keys: list, nbytes: int, first: int,
@@ -431,23 +441,24 @@ class RemoteStore:
         """A Future of the number of blocks moved. ``cancel()`` works until the
         request is sent; after that the daemon finishes the (bounded) prefetch."""
         keys = [check_key(k) for k in keys]
-        return self._pool.submit(lambda: sum(self._with_conn(
-            lambda c, p=p: c.call(Op.PREFETCH, {"keys": keys[p.start:p.stop], "to": to}))["moved"]
-            for p in self._chunks(len(keys))))
+        def run() -> int:
+            return sum(self._with_conn(_request(Op.PREFETCH, {"keys": keys[p.start:p.stop], "to": to}))["moved"]
+                       for p in self._chunks(len(keys)))
+        return self._pool.submit(run)
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         """Pin for ``ttl_s``; returns the TTL the daemon granted (it caps them)."""
         keys = [check_key(k) for k in keys]
         granted = float(ttl_s)
         for p in self._chunks(len(keys)) or [range(0)]:
-            granted = self._with_conn(lambda c, p=p: c.call(
-                Op.PIN, {"keys": keys[p.start:p.stop], "ttl_s": float(ttl_s)})).get("ttl_s", granted)
+            granted = self._with_conn(_request(Op.PIN, {"keys": keys[p.start:p.stop],
+                                                        "ttl_s": float(ttl_s)})).get("ttl_s", granted)
         return granted
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         keys = [check_key(k) for k in keys]
         for p in self._chunks(len(keys)) or [range(0)]:
-            self._with_conn(lambda c, p=p: c.call(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
+            self._with_conn(_request(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int:
         """Drop a namespace. Only by identity: the daemon salts namespaces per
@@ -455,18 +466,18 @@ class RemoteStore:
         if not isinstance(identity, CacheIdentity):
             raise InvalidBlock("a daemon-backed store invalidates by CacheIdentity, not by tag")
         ident = _identity_bytes(identity)
-        return self._with_conn(lambda c: c.call(Op.INVALIDATE, {"identity": ident}))["dropped"]
+        return self._with_conn(_request(Op.INVALIDATE, {"identity": ident}))["dropped"]
 
     def stats(self) -> dict:
-        return self._with_conn(lambda c: c.call(Op.STATS, {}))
+        return self._with_conn(_request(Op.STATS, {}))
 
     def ping(self) -> dict:
         """Health: ``{"ok", "draining", "uptime_s"}``, or TierUnavailable."""
-        return self._with_conn(lambda c: c.call(Op.PING, {}))
+        return self._with_conn(_request(Op.PING, {}))
 
     def metrics(self) -> str:
         """The daemon's Prometheus exposition text."""
-        return self._with_conn(lambda c: c.call(Op.METRICS, {}))["text"]
+        return self._with_conn(_request(Op.METRICS, {}))["text"]
 
     def close(self) -> None:
         if self._closed:

@@ -112,8 +112,12 @@ async def send_with_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, da
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut = loop.create_future()
-    loop.add_writer(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+    loop.add_writer(sock.fileno(), ready)
     try:
         await fut
     finally:

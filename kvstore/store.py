@@ -180,7 +180,7 @@ class TieredStore:
             await self._put_durably(spec, keys, views, out, fresh)
         return out
 
-    async def _put_durably(self, spec: BlockSpec, keys: list[BlockKey], views: list,
+    async def _put_durably(self, spec: BlockSpec, keys: Sequence[BlockKey], views: list,
                            out: list[PutOutcome], fresh: list[tuple[int, int]]) -> None:
         """Acknowledge only what the durable tier holds: write every block the
         placement stored (anywhere) there too; EXISTS where it already is.
@@ -189,10 +189,10 @@ class TieredStore:
         call put it in: nothing unacknowledged is left behind (a daemon
         counts only acknowledged blocks against a tenant's quota)."""
         todo = [i for i, o in enumerate(out) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
-        if not todo:
+        if not todo or self.durable_tier is None:
             return
         durable: list[PutOutcome] = list(out)
-        await self._put_round(self.durable_tier, spec, keys, views, todo, durable, [None] * len(keys))
+        await self._put_round(self.durable_tier, spec, list(keys), views, todo, durable, [None] * len(keys))
         refused = {i for i in todo if durable[i] not in (PutOutcome.STORED, PutOutcome.EXISTS)}
         for i in refused:
             out[i] = durable[i]
@@ -284,7 +284,7 @@ class TieredStore:
             with self.leases.transfer([key]):
                 outcome, landed = await self._copy(key, ti, target)
         await tier.delete_many([key])
-        if outcome is PutOutcome.STORED:
+        if outcome is PutOutcome.STORED and landed is not None:
             self.stats.tier(self.names[landed]).demotions_in += 1
         if landed is None and not await self._held_in(key, range(len(self.tiers))):
             self._forget(key, MissReason.EVICTED)
@@ -354,7 +354,7 @@ class TieredStore:
                 self.stats.miss(r, tenant)
         return result
 
-    def _sort_outcomes(self, ti: int, keys: list[BlockKey], todo: list[int], outs: list[GetOutcome],
+    def _sort_outcomes(self, ti: int, keys: Sequence[BlockKey], todo: list[int], outs: list[GetOutcome],
                        result: list, hit_tier: list, spec: BlockSpec) -> list[int]:
         counters = self.stats.tier(self.names[ti])
         left = []
@@ -376,7 +376,7 @@ class TieredStore:
             left.append(i)
         return left
 
-    async def _promote(self, spec: BlockSpec, keys: list[BlockKey], views: list, hit_tier: list) -> None:
+    async def _promote(self, spec: BlockSpec, keys: Sequence[BlockKey], views: list, hit_tier: list) -> None:
         for i, ti in enumerate(hit_tier):
             if ti is None or ti == 0:
                 continue
@@ -484,7 +484,7 @@ class TieredStore:
         for tier, name in zip(self.tiers, self.names):
             snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes)
             own = getattr(tier, "counters", None)   # a tier's own totals (NVMe: compactions, ...)
-            if is_dataclass(own):
+            if is_dataclass(own) and not isinstance(own, type):
                 snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()
         return snap

@@ -34,7 +34,9 @@ class KVStore:
 
         async def _build() -> TieredStore:
             store = build()
-            return await store if asyncio.iscoroutine(store) else store
+            if isinstance(store, TieredStore):
+                return store
+            return await store
 
         try:
             self.store: TieredStore = self._call(_build())

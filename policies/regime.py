@@ -446,7 +446,8 @@ class RegimePlacement:
         self._orders[self.tiers.index(tier)] = order
         return order
 
-    def _drop(self) -> None:
+    def _drop(self) -> int | None:
+        """No tier: the evicted block is dropped (counted)."""
         self._counts["dropped"] += 1
         return None
 

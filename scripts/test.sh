@@ -36,6 +36,10 @@ fi
 step "vLLM environment"
 bash scripts/setup_vllm_env.sh
 
+step "lint and types (ruff, mypy; configured in pyproject.toml)"
+"$PY" -m ruff check .
+"$PY" -m mypy
+
 step "tests"
 export KVSTORE_TEST_STRICT=1
 exec "$PY" -m pytest -q "$@"

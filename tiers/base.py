@@ -85,7 +85,7 @@ class TierOps:
     async def get(self: Tier, spec: BlockSpec, key: BlockKey) -> np.ndarray:
         """A fresh uint8 array holding the block; :class:`BlockNotFound` if absent."""
         out = np.empty(spec.nbytes, dtype=np.uint8)
-        outcome = await self.get_into(spec, key, out)
+        outcome = (await self.get_into_many(spec, [key], [out]))[0]
         if outcome is not GetOutcome.HIT:
             raise BlockNotFound(f"{self.name}: block {check_key(key).hex()[:16]}… {outcome.value}")
         return out

@@ -49,7 +49,7 @@ class DramTier(TierOps):
         self.config = config
         self.name = config.name
         self._arena, self.pinned = alloc_arena(config.capacity_bytes, pinned=config.pinned)
-        self._mv = memoryview(self._arena)  # slice assignment on a memoryview is a plain memcpy
+        self._mv = self._arena.data         # slice assignment on a memoryview is a plain memcpy
         self._alloc = SlabAllocator(config.capacity_bytes, min(config.page_bytes, config.capacity_bytes))
         self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}
 

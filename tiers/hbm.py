@@ -142,7 +142,7 @@ class HbmTier(TierOps):
         self.counters = HbmCounters()
         self._clock = clock
         self._arena = self.backend.alloc_device(config.capacity_bytes)
-        self._arena_h = self.backend.handle(self._arena)
+        self._arena_h: Any = self.backend.handle(self._arena)   # an array (numpy) or a device pointer
         self._h2d = self.backend.new_stream()
         self._d2h = self.backend.new_stream()
         self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}
@@ -457,6 +457,7 @@ class HbmTier(TierOps):
         """
         if end.kind == "device":
             return "device", end.handle
+        assert end.host is not None
         if self.backend.is_pinned(end.host):
             return "pinned", self.backend.handle(end.host)
         return "host", None

@@ -84,7 +84,7 @@ import stat
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, cast
 
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.keys import BlockKey, check_key
@@ -108,6 +108,9 @@ from kvstore.tiers.segments import (
     scan_segment,
     start_writeback,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
 
 __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 
@@ -345,7 +348,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
         for i, (key, head, payload, _) in enumerate(items):
-            size = FRAME_HEAD_BYTES + (head.stored_len if head is not None else memoryview(payload).nbytes)
+            size = FRAME_HEAD_BYTES + (head.stored_len if head is not None
+                                       else memoryview(cast("Buffer", payload)).nbytes)
             tomb = _is_tombstone(head)
             try:
                 where = self._reserve(size, tombstone=tomb and not keep_pins)
@@ -383,13 +387,15 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         out: list[_Loc | BaseException | None] = [p if isinstance(p, OSError) else None for p in places]
         for (seg, _, idx), res in zip(groups, done):
             for n, i in enumerate(idx):
-                out[i] = res if isinstance(res, BaseException) else _Loc(seg, places[i][1], res[n])
+                out[i] = res if isinstance(res, BaseException) else \
+                    _Loc(seg, cast(tuple[Segment, int], places[i])[1], cast(list[RecordHeader], res)[n])
             if isinstance(res, BaseException):   # its puts stay buried: they may have reached the disk
                 self.counters.write_errors += 1
                 log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
         return out
 
-    async def _run_io(self, calls: list[tuple[object, tuple]], release) -> list[object]:
+    async def _run_io(self, calls: list[tuple[Callable[..., Any], tuple]], release: Callable[[], None]
+                      ) -> list[Any]:
         """Run blocking calls on the pool; results or exceptions, in order.
 
         ``release`` (which unpins what the calls use) runs when the last call
@@ -427,7 +433,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         try:
             for key, head, payload, spec in items:
                 if head is None:
-                    head = make_header(key, spec, payload)
+                    assert spec is not None
+                    head = make_header(key, spec, memoryview(cast("Buffer", payload)))
                 heads.append(head)
                 bufs += (seg.framing.frame_head(head), payload)
                 offset += seg.framing.frame_bytes(head.stored_len)
@@ -522,8 +529,8 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         # a key another put was writing is acknowledged only as that write ends:
         # "exists" before it is on disk would acknowledge what a crash can lose
         for i, fut in waits:
-            res = await asyncio.shield(fut)
-            out[i] = PutOutcome.EXISTS if res in (PutOutcome.STORED, PutOutcome.EXISTS) else res
+            ended = await asyncio.shield(fut)
+            out[i] = PutOutcome.EXISTS if ended in (PutOutcome.STORED, PutOutcome.EXISTS) else ended
         await self._pay_owed_tombstones()
         return out
 
@@ -550,7 +557,9 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
                 for loc in (self._index.get(k) for k in keys)]
         reads = [(loc, view) for loc, view in zip(locs, views) if loc is not None]
         oks = await self._read_many(reads)
-        out, bad, it = [], [], iter(oks)
+        out: list[GetOutcome] = []
+        bad: list[_Loc] = []
+        it = iter(oks)
         for loc in locs:
             if loc is None:
                 out.append(GetOutcome.MISS)
@@ -589,14 +598,16 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
     async def _drop_corrupt(self, locs: Sequence[_Loc]) -> None:
         if self.config.read_only:   # a read still answers CORRUPT; the disk stays as it is
             return
-        doomed = []
-        for loc in locs:
-            if self._index.get(loc.header.key) is loc:
-                del self._index[loc.header.key]
-                self._mark_dead(loc)
-                doomed.append(loc)
-                log.warning("%s: dropped corrupt block %s in %s@%d", self.name,
-                            loc.header.key.hex()[:16], loc.seg.path, loc.offset)
+        doomed: list[_Loc] = []
+        for bad in locs:
+            loc = self._index.get(bad.header.key)
+            if loc is None or loc is not bad:
+                continue   # replaced or gone meanwhile
+            del self._index[loc.header.key]
+            self._mark_dead(loc)
+            doomed.append(loc)
+            log.warning("%s: dropped corrupt block %s in %s@%d", self.name,
+                        loc.header.key.hex()[:16], loc.seg.path, loc.offset)
         self.counters.corrupt += len(doomed)
         self._reclaim()
         await self._write_tombstones(doomed)

@@ -195,7 +195,8 @@ class NvmeMaintenance:
             self._pool, _read_records, seg.fd, seg.framing, [(loc.offset, loc.header) for loc in chunk])
         # Filter and reserve with no await in between: a key deleted or replaced while
         # we read is not copied (a copy after its tombstone would resurrect it).
-        live, bad = [], []
+        live: list[tuple[_Loc, bytearray | None]] = []
+        bad: list[tuple[_Loc, bytearray | None]] = []
         for loc, buf in zip(chunk, bufs):
             if self._index.get(loc.header.key) is loc:
                 (bad if buf is None else live).append((loc, buf))

@@ -58,8 +58,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import redis.asyncio as aredis
@@ -198,7 +199,7 @@ class RedisTier(TierOps):
     self_evicting = False  # the ledger answers NO_SPACE; see the module docstring
 
     def __init__(self, config: RedisConfig, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], object] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
         if not isinstance(config, RedisConfig):
             raise ConfigError("config must be a RedisConfig")
         self.config = config
@@ -263,7 +264,7 @@ class RedisTier(TierOps):
             return RedisCluster.from_url(c.url, **kwargs)
         return aredis.Redis.from_url(c.url, **kwargs)
 
-    def _breaker(self, node: object) -> Breaker:
+    def _breaker(self, node: Any) -> Breaker:
         return self._breaker_named(getattr(node, "name", "server"))
 
     def _breaker_named(self, key: str) -> Breaker:
@@ -293,7 +294,7 @@ class RedisTier(TierOps):
         return self._client
 
     @contextlib.asynccontextmanager
-    async def _connection(self, node: object):
+    async def _connection(self, node: Any):
         """Yield ``(reader, writer)`` for raw frames to ``node`` (None: the single server).
 
         ``redis://``: a pooled :class:`RawConnection` (no stream copies), made
@@ -315,7 +316,7 @@ class RedisTier(TierOps):
                     self._idle.setdefault(getattr(node, "name", ""), []).append(conn)
             return
         if node is None:
-            pool = self._client.connection_pool
+            pool = self._single().connection_pool
             conn = await pool.get_connection()
         else:
             conn = node.acquire_connection()
@@ -331,22 +332,27 @@ class RedisTier(TierOps):
             raise
         finally:
             if node is None:
-                await self._client.connection_pool.release(conn)
+                await self._single().connection_pool.release(conn)
             else:
                 node.release(conn)
 
-    async def _raw_acquire(self, node: object) -> RawConnection:
+    def _single(self) -> aredis.Redis:
+        """The client of a single server (not a cluster), once made."""
+        assert isinstance(self._client, aredis.Redis)
+        return self._client
+
+    async def _raw_acquire(self, node: Any) -> RawConnection:
         idle = self._idle.get(getattr(node, "name", ""))
         if idle:
             return idle.pop()
         kw = (node.connection_kwargs if node is not None
-              else self._client.connection_pool.connection_kwargs)
+              else self._single().connection_pool.connection_kwargs)
         return await RawConnection.open(
             kw["host"], int(kw["port"]), timeout=self.config.connect_timeout_s,
             db=int(kw.get("db") or 0), username=kw.get("username"),
             password=kw.get("password"))
 
-    async def _attempt(self, node: object, work: Callable, nbytes: int = 0) -> object:
+    async def _attempt(self, node: Any, work: Callable[[Any, Any], Awaitable[Any]], nbytes: int = 0) -> Any:
         """Run ``work(reader, writer)`` on a connection to ``node``, within
         ``socket_timeout_s`` + ``nbytes`` at ``min_bandwidth``; retried after a
         fast failure, never after a timeout (see the module docstring).
@@ -395,14 +401,14 @@ class RedisTier(TierOps):
         client = await self._ready()
         if client is None or not names:
             return results
-        groups: dict[str, tuple[object, list[int]]] = {}
+        groups: dict[str, tuple[Any, list[int]]] = {}
         for i, name in enumerate(names):
-            node = client.get_node_from_key(name) if self.config.cluster else None
+            node = cast(RedisCluster, client).get_node_from_key(cast(str, name)) if self.config.cluster else None
             groups.setdefault(getattr(node, "name", ""), (node, []))[1].append(i)
         step = self.config.pipeline_blocks
         gate = asyncio.Semaphore(self.config.parallel)
 
-        async def run(node: object, idx: list[int]) -> None:
+        async def run(node: Any, idx: list[int]) -> None:
             async with gate:
                 got = await self._attempt(node, lambda r, w: work(r, w, idx),
                                           sum(map(item_bytes, idx)) if item_bytes else 0)
@@ -471,12 +477,13 @@ class RedisTier(TierOps):
             sends.append((i, self._name(key), key, stored, cflags, size))
         replies = await self._send_records(spec, sends)
         for (i, *_, size), reply in zip(sends, replies):
-            out[i] = PutOutcome.UNAVAILABLE if reply is DOWN else reply
+            out[i] = PutOutcome.UNAVAILABLE if reply is DOWN else cast(PutOutcome, reply)
             if out[i] in (PutOutcome.STORED, PutOutcome.EXISTS):
                 self._ledger.add(keys[i], size, self.config.ttl_s, spec.owner, spec.nbytes)
-        for o in out:
+        done = [o if o is not None else PutOutcome.UNAVAILABLE for o in out]   # every one is set by now
+        for o in done:
             self._count_put(o)
-        return out  # type: ignore[return-value]
+        return done
 
     def _count_put(self, outcome: PutOutcome) -> None:
         st = self.stats
@@ -625,8 +632,9 @@ class RedisTier(TierOps):
         if batch:
             yield batch
 
-    def _owned(self, name: bytes, head: RecordHeader | None) -> bool:
-        return head is not None and self._name(head.key) == name
+    def _owned(self, name: bytes, head: RecordHeader) -> bool:
+        """Whether ``head`` is a record this tier stored under ``name``."""
+        return self._name(head.key) == name
 
     async def rescan(self) -> int:
         """Adopt records already under the prefix into the ledger (while they fit).
@@ -648,7 +656,7 @@ class RedisTier(TierOps):
                     return seen, adopted, False
                 for name, raw in zip(names, raws):
                     head = _header_or_none(raw)
-                    if not self._owned(name, head):
+                    if head is None or not self._owned(name, head):
                         continue
                     seen.add(head.key)
                     if self._ledger.holds(head.key) or \
@@ -703,7 +711,7 @@ class RedisTier(TierOps):
         doomed: list[BlockKey] = []
         async for names in self._scan_names():
             for name, head in zip(names, await self._stat_names(names)):
-                if self._owned(name, head) and head.namespace == namespace:
+                if head is not None and self._owned(name, head) and head.namespace == namespace:
                     doomed.append(head.key)
         return sum(await self.delete_many(doomed)) if doomed else 0
 

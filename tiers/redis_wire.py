@@ -191,7 +191,7 @@ def command(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-async def read_small(reader: asyncio.StreamReader) -> object:
+async def read_small(reader: asyncio.StreamReader | RawConnection) -> object:
     """One small reply: int, bytes (bulk/simple), None (nil) or an ErrorReply."""
     line = await reader.readuntil(b"\r\n")
     kind = line[:1]

@@ -42,13 +42,16 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import xxhash
 
 from kvstore.errors import CorruptRecord
 from kvstore.keys import BlockKey
 from kvstore.record import FLAG_CHECKSUM, FLAG_TOMBSTONE, HEADER_BYTES, MAGIC, RecordHeader, checksum, unpack_header
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Buffer
 
 log = logging.getLogger("kvstore.tiers.nvme")
 SUFFIX = ".seg"
@@ -357,7 +360,7 @@ def pwritev_all(fd: int, bufs: Sequence[object], offset: int) -> int:
     One pwritev per IOV_MAX buffers; a partial write resumes where the kernel
     stopped. Returns the bytes written; raises OSError on failure.
     """
-    views = [memoryview(b).cast("B") for b in bufs]
+    views = [memoryview(cast("Buffer", b)).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
     total = 0
     i = 0
