@@ -89,6 +89,9 @@ def _store_families(family: Callable, daemon: Daemon) -> None:
                              ("capacity_bytes", "gauge", "The tier's capacity.")):
         name = f"tier_{key}" + ("_total" if kind == "counter" else "")
         family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
+    family("tier_counter", "gauge", "A tier's own running totals (NVMe compactions, Redis reconnects, ...).",
+           [({"tier": t, "counter": k}, v) for t, row in tiers.items()
+            for k, v in sorted(row.get("tier", {}).items()) if isinstance(v, (int, float))])
     family("requests_total", "counter", "Requests served, by opcode.",
            [({"op": op}, n) for op, n in daemon.requests.items()])
     family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",

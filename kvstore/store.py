@@ -72,9 +72,7 @@ class TieredStore:
                 order.insert(key)
         self.leases = Leases(clock)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
-            honour_pins = getattr(tier, "honour_pins", None)
-            if honour_pins is not None:
-                honour_pins(self.leases.any_pinned)
+            tier.honour_pins(self.leases.any_pinned)
         self.clock = clock
         self.stats = StoreStats()
         for n in names:
@@ -266,7 +264,7 @@ class TieredStore:
         Self-evicting tiers (NVMe segments, FIFO) make room themselves,
         keeping what is pinned (see ``honour_pins``)."""
         tier = self.tiers[ti]
-        if count <= 0 or getattr(tier, "self_evicting", False):
+        if count <= 0 or tier.self_evicting:
             return
         while not tier.fits(spec, count):
             victims = self._order[ti].evict(1, self.leases)
@@ -313,10 +311,7 @@ class TieredStore:
         return False
 
     def _after_self_eviction(self, ti: int) -> None:
-        drain = getattr(self.tiers[ti], "drain_evicted", None)
-        if drain is None:
-            return
-        for key in drain():
+        for key in self.tiers[ti].drain_evicted():
             self._order[ti].remove(key)
             self.stats.tier(self.names[ti]).evictions += 1
             self._forget(key, MissReason.EVICTED)
@@ -483,7 +478,7 @@ class TieredStore:
         snap = self.stats.snapshot()
         for tier, name in zip(self.tiers, self.names):
             snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes)
-            own = getattr(tier, "counters", None)   # a tier's own totals (NVMe: compactions, ...)
+            own = tier.counters   # a tier's own totals (NVMe: compactions, Redis: reconnects, ...)
             if is_dataclass(own) and not isinstance(own, type):
                 snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()

@@ -384,6 +384,7 @@ def test_metrics_and_health(served):
         assert f'kvstore_tenant_misses_total{{tenant="{lb}",reason="never_stored"}} 1' in t
         assert 'kvstore_misses_total{reason="never_stored"} 5' in t
         assert 'kvstore_tier_used_bytes{tier="dram"}' in t and "kvstore_hits_total 2" in t
+        assert 'kvstore_tier_counter{tier="nvme",counter="evicted_segments"} 0' in t   # a tier's own
         assert "alpha" not in t and "bravo" not in t
     assert 'kvstore_tenant_misses_total{tenant="bravo",reason="never_stored"} 1' in own
     assert la not in own and "alpha" not in own and "kvstore_hits_total" not in own

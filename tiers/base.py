@@ -19,6 +19,8 @@ Contract, tested for every tier by ``tests/tiers/contract.py``:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -33,6 +35,8 @@ from kvstore.record import BlockSpec, RecordHeader, as_bytes_view, check_size
 class Tier(Protocol):
     name: str
     persistent: bool          # contents survive a restart of the process
+    self_evicting: bool       # makes room by itself when full (NVMe segments); see drain_evicted
+    counters: object          # the tier's own running totals: a dataclass instance (snapshots show it)
 
     @property
     def capacity_bytes(self) -> int: ...
@@ -42,6 +46,8 @@ class Tier(Protocol):
     def admits(self, spec: BlockSpec) -> bool: ...
     def iter_keys(self) -> Iterator[BlockKey]: ...
     def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]: ...
+    def drain_evicted(self) -> list[BlockKey]: ...
+    def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None: ...
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
     async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]: ...
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
@@ -66,9 +72,25 @@ def check_batch(spec: BlockSpec, keys: Sequence[object], bufs: Sequence[object],
     return checked_keys, views
 
 
+@dataclass(slots=True)
+class NoCounters:
+    """The counters of a tier that keeps none of its own (the store counts its hits and puts)."""
+
+
 class TierOps:
     """Single-block forms derived from a tier's batch forms, and the defaults
-    of the contract's optional methods (mixin)."""
+    of the contract's optional behaviour (mixin): a tier that evicts by
+    itself, keeps pins, or counts more than the store does overrides them."""
+
+    self_evicting = False
+    counters: object = NoCounters()
+
+    def drain_evicted(self) -> list[BlockKey]:
+        """Keys the tier evicted by itself since the last call (none: the store evicts)."""
+        return []
+
+    def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None:
+        """Keep blocks for which ``any_pinned`` is true when evicting by itself (nothing to do)."""
 
     def admits(self, spec: BlockSpec) -> bool:
         """Whether a block of ``spec`` could ever be stored here (empty tier).

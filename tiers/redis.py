@@ -172,7 +172,7 @@ class RedisConfig:
 
 
 @dataclass(slots=True)
-class RedisTierStats:
+class RedisCounters:
     """Counters since the tier was made (mutable; read them, don't write)."""
 
     hits: int = 0
@@ -204,7 +204,7 @@ class RedisTier(TierOps):
             raise ConfigError("config must be a RedisConfig")
         self.config = config
         self.name = config.name
-        self.stats = RedisTierStats()
+        self.counters = RedisCounters()
         self._clock, self._sleep = clock, sleep
         self._ledger = Ledger(clock)
         self._breakers: dict[str, Breaker] = {}
@@ -380,7 +380,7 @@ class RedisTier(TierOps):
                     await self._sleep(c.backoff_base_s * 2 ** attempt)
                 continue
             if breaker.success():
-                self.stats.reconnects += 1
+                self.counters.reconnects += 1
                 self._after_outage()
             return result
         breaker.failure(hung=bound if hung else 0.0)
@@ -416,7 +416,7 @@ class RedisTier(TierOps):
                 return
             for i, res in zip(idx, got):
                 if res is REDIRECT:
-                    self.stats.redirects += 1
+                    self.counters.redirects += 1
                     try:
                         res = await redo(i)
                     except NET_ERRORS:
@@ -486,7 +486,7 @@ class RedisTier(TierOps):
         return done
 
     def _count_put(self, outcome: PutOutcome) -> None:
-        st = self.stats
+        st = self.counters
         if outcome is PutOutcome.STORED:
             st.stored += 1
         elif outcome is PutOutcome.EXISTS:
@@ -560,7 +560,7 @@ class RedisTier(TierOps):
         return out  # type: ignore[return-value]
 
     def _count_get(self, key: BlockKey, outcome: object) -> None:
-        st = self.stats
+        st = self.counters
         if outcome is FOREIGN:   # there, but not the caller's: the ledger keeps it
             st.misses += 1
         elif outcome is GetOutcome.HIT:

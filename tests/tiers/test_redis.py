@@ -144,3 +144,16 @@ def test_large_blocks_round_trip_in_parallel_batches(redis_url):
         assert all(np.array_equal(a, b) for a, b in zip(dsts, blocks))
         await tier.close()
     run(body())
+
+
+def test_the_tiers_own_counters_reach_the_store_snapshot(redis_url):
+    """Reconnects and redirects (the tier's counters) used to stop at the tier."""
+    from kvstore.store import TieredStore
+
+    async def body():
+        tier = RedisTier(RedisConfig(url=redis_url, prefix="snap:"))
+        store = TieredStore([tier])
+        own = store.snapshot()["tiers"]["redis"]["tier"]
+        assert {"reconnects", "redirects", "hits", "stored"} <= set(own)
+        await store.aclose()
+    asyncio.run(body())

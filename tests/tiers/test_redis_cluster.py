@@ -47,7 +47,7 @@ def test_blocks_spread_over_all_masters(redis_cluster_url, redis_session_cluster
         assert await tier.get_into_many(SPEC, keys, dsts) == [GetOutcome.HIT] * N
         assert all(np.array_equal(d, payload(i)) for i, d in enumerate(dsts))
         assert await tier.contains_many(keys) == [True] * N
-        assert tier.stats.redirects == 0
+        assert tier.counters.redirects == 0
         await tier.close()
     asyncio.run(body())
     sizes = [_dbsize(n) for n in redis_session_cluster.nodes]

@@ -30,7 +30,7 @@ async def _outcomes_while_down(tier: RedisTier) -> None:
     assert await tier.delete(key(3)) is False           # owed: carried out once the server is back
     assert await tier.drop_namespace(SPEC.namespace) == 0
     assert time.monotonic() - t0 < 2.0, "a down server must not stall the caller"
-    assert tier.stats.unavailable >= 2
+    assert tier.counters.unavailable >= 2
 
 
 async def _wait_back(tier: RedisTier, restarted_at: float, i: int) -> float:
@@ -60,7 +60,7 @@ def test_killed_server_means_unavailable_then_reconnects(redis_server_factory, p
         await asyncio.sleep(1.2)  # let the breaker back off to its cap
         server.start()  # same port, same directory
         took = await _wait_back(tier, time.monotonic(), 2)
-        assert took < 5.0 and tier.stats.reconnects >= 1
+        assert took < 5.0 and tier.counters.reconnects >= 1
         dst = np.zeros(BLOCK, np.uint8)
         expect = GetOutcome.HIT if persistent else GetOutcome.MISS
         assert await tier.get_into(SPEC, key(1), dst) is expect
@@ -119,7 +119,7 @@ def test_value_corrupted_inside_redis_is_caught(redis_url, redis_session_server,
         dst = np.full(BLOCK, 5, np.uint8)
         assert await tier.get_into(SPEC, key(1), dst) is GetOutcome.CORRUPT
         assert not (dst == block).all() or not block.any(), "corrupt bytes were returned"
-        assert tier.stats.corrupt == 1
+        assert tier.counters.corrupt == 1
         assert await tier.contains(key(1)) is False, "a corrupt record is dropped"
         assert await tier.put(SPEC, key(1), block) is PutOutcome.STORED
         assert np.array_equal(await tier.get(SPEC, key(1)), block)
