@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 
 from kvstore.daemon_config import DaemonConfig
 from kvstore.daemon_conn import Conn
-from kvstore.daemon_metrics import MetricsServer
+from kvstore.daemon_metrics import MetricsServer, daemon_registry
 from kvstore.daemon_ops import Handlers, Reply
 from kvstore.daemon_tenants import Tenant, TenantTable, load_key_secret
 from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
@@ -88,6 +88,7 @@ class Daemon:
         self.errors = 0
         self.max_connections = _connection_limit(config)
         self.handlers = Handlers(self)
+        self.registry, self._request_seconds = daemon_registry(self)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
         self._conns: dict[asyncio.Task, Conn] = {}
@@ -290,7 +291,7 @@ class Daemon:
             except ValueError:
                 raise ProtocolError(f"unknown opcode {op}") from None
             self.requests[op.name] += 1
-            reply, blocks, fds = await self._serving(self.handlers.handle(conn, op, meta, payload))
+            reply, blocks, fds = await self._serving(op, self.handlers.handle(conn, op, meta, payload))
         except (ProtocolError, AuthFailed) as exc:
             self.errors += 1
             log.warning("connection %s: %s; closing it", conn.peer, exc)
@@ -354,14 +355,16 @@ class Daemon:
             for fd in fds:
                 os.close(fd)
 
-    async def _serving(self, handled: Awaitable[Reply]) -> Reply:
-        """Await a handler, counted as in flight: a drain waits for these (not
-        for a peer still sending its request, or not reading its reply)."""
+    async def _serving(self, op: Op, handled: Awaitable[Reply]) -> Reply:
+        """Await a handler, counted as in flight (a drain waits for these, not
+        for a peer still sending its request, or not reading its reply) and timed."""
         self._busy += 1
         self._idle.clear()
+        t0 = time.perf_counter()
         try:
             return await handled
         finally:
+            self._request_seconds.labels(op.name).observe(time.perf_counter() - t0)
             self._busy -= 1
             if self._busy == 0:
                 self._idle.set()

@@ -1,85 +1,97 @@
-"""The daemon's ``/metrics`` (Prometheus text format 0.0.4) and ``/health``.
+"""The daemon's ``/metrics`` (Prometheus text format, through prometheus-client) and ``/health``.
 
-A tiny HTTP/1.0 responder on asyncio streams: a scrape is a few KB every few
-seconds, so stream copies do not matter here (they do on the data path).
-Its connections come from the daemon's own accept loop, not asyncio's
-server (which, out of descriptors, logs a traceback per attempt and leaves
-/health unanswered).
-Rejected: prometheus_client (a dependency and a registry for ~15 series
-that are already counters on the store and the tenants).
+The series are the counters the store, its tiers and the tenants already
+keep: a custom collector (:class:`DaemonCollector`) reads them at scrape
+time into metric families, so nothing is counted twice. Beside it in the
+daemon's registry: the store's latency histograms (per tier and operation,
+:mod:`kvstore.store`) and the daemon's own request latency by opcode.
+Rejected: mirroring every counter into prometheus-client Counter objects
+(a second copy to keep in step with the first).
+
+The HTTP side is a tiny HTTP/1.0 responder on asyncio streams: a scrape is
+a few KB every few seconds, so stream copies do not matter here (they do
+on the data path). Its connections come from the daemon's own accept loop,
+not asyncio's server (which, out of descriptors, logs a traceback per
+attempt and leaves /health unanswered).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 from kvstore.outcomes import MissReason
+from kvstore.store import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from kvstore.daemon import Daemon
     from kvstore.daemon_tenants import Tenant
 
-
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+Rows = list[tuple[dict[str, str], float]]
 
 
-def render_metrics(daemon: Daemon, tenant: Tenant | None = None) -> str:
-    """Prometheus exposition. ``tenant`` None: the whole store's counters and
-    every tenant's rows (an admin, and the HTTP endpoint); a tenant: its own
-    rows only (what the METRICS op answers a plain tenant). Tenants are
-    labelled opaquely unless ``metrics_tenant_names`` is set."""
-    out: list[str] = []
-
-    def family(name: str, kind: str, help_: str, rows: list[tuple[dict[str, str], float]]) -> None:
-        out.append(f"# HELP kvstore_{name} {help_}")
-        out.append(f"# TYPE kvstore_{name} {kind}")
-        for labels, value in rows:
-            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
-            out.append(f"kvstore_{name}{{{lab}}} {value}" if lab else f"kvstore_{name} {value}")
-
-    if tenant is None:
-        _store_families(family, daemon)
-        tenants = list(daemon.tenants.by_name.values())
-    else:
-        tenants = [tenant]
-
-    def label(t: Tenant) -> dict[str, str]:
-        return {"tenant": t.name if tenant is not None else daemon.tenant_label(t)}
-    family("tenant_hits_total", "counter", "Blocks served per tenant.", [(label(t), t.hits) for t in tenants])
-    family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
-           [({**label(t), "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
-    family("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).",
-           [(label(t), t.used_bytes) for t in tenants])
-    family("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).",
-           [(label(t), t.quota_bytes) for t in tenants])
-    family("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.",
-           [(label(t), t.no_space) for t in tenants])
-    family("tenant_connections", "gauge", "Open connections per tenant.",
-           [(label(t), t.connections) for t in tenants])
-    family("tenant_buffer_bytes", "gauge", "Request buffers held per tenant.",
-           [(label(t), t.buffer_bytes) for t in tenants])
-    family("tenant_shm_bytes", "gauge", "Shared-memory segments held per tenant.",
-           [(label(t), t.shm_bytes) for t in tenants])
-    family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
-           [(label(t), len(t.pins)) for t in tenants])
-    return "\n".join(out) + "\n"
+def _family(name: str, kind: str, help_: str, rows: Rows) -> Metric:
+    """One metric family of ``rows`` (labels, value); every row has the same label names."""
+    labels = list(rows[0][0]) if rows else []
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    fam = cls(f"kvstore_{name}", help_, labels=labels)
+    for row_labels, value in rows:
+        fam.add_metric([row_labels[k] for k in labels], value)
+    return fam
 
 
-def _store_families(family: Callable, daemon: Daemon) -> None:
+class DaemonCollector:
+    """The daemon's counters as metric families, read at each scrape.
+    ``tenant`` None: the whole store's and every tenant's rows (an admin, and
+    the HTTP endpoint), tenants labelled opaquely unless the config says
+    ``metrics_tenant_names``; a tenant: its own rows only, under its name."""
+
+    def __init__(self, daemon: Daemon, tenant: Tenant | None = None) -> None:
+        self.daemon = daemon
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        daemon, tenant = self.daemon, self.tenant
+        if tenant is None:
+            yield from _store_families(daemon)
+            tenants = list(daemon.tenants.by_name.values())
+        else:
+            tenants = [tenant]
+
+        def label(t: Tenant) -> dict[str, str]:
+            return {"tenant": t.name if tenant is not None else daemon.tenant_label(t)}
+        yield _family("tenant_hits_total", "counter", "Blocks served per tenant.",
+                      [(label(t), t.hits) for t in tenants])
+        yield _family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
+                      [({**label(t), "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
+        for name, kind, help_, value in (
+                ("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).", "used_bytes"),
+                ("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).", "quota_bytes"),
+                ("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.", "no_space"),
+                ("tenant_connections", "gauge", "Open connections per tenant.", "connections"),
+                ("tenant_buffer_bytes", "gauge", "Request buffers held per tenant.", "buffer_bytes"),
+                ("tenant_shm_bytes", "gauge", "Shared-memory segments held per tenant.", "shm_bytes")):
+            yield _family(name, kind, help_, [(label(t), getattr(t, value)) for t in tenants])
+        yield _family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
+                      [(label(t), len(t.pins)) for t in tenants])
+
+
+def _store_families(daemon: Daemon) -> Iterator[Metric]:
     snap = daemon.store.snapshot()
     tiers = snap["tiers"]
-    family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
-    family("misses_total", "counter", "Blocks missed by get, by reason.",
-           [({"reason": r.value}, snap["misses"][r.value]) for r in MissReason])
-    family("lookups_total", "counter", "Lookups counted as requests.", [({}, snap["lookups"])])
-    family("probes_total", "counter", "Lookups that asked again about a request (not counted).",
-           [({}, snap["probes"])])
-    family("lookup_misses_total", "counter", "Why each lookup's stored prefix ended.",
-           [({"reason": r.value}, snap["lookup_misses"][r.value]) for r in MissReason])
+    yield _family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
+    yield _family("misses_total", "counter", "Blocks missed by get, by reason.",
+                  [({"reason": r.value}, snap["misses"][r.value]) for r in MissReason])
+    yield _family("lookups_total", "counter", "Lookups counted as requests.", [({}, snap["lookups"])])
+    yield _family("probes_total", "counter", "Lookups that asked again about a request (not counted).",
+                  [({}, snap["probes"])])
+    yield _family("lookup_misses_total", "counter", "Why each lookup's stored prefix ended.",
+                  [({"reason": r.value}, snap["lookup_misses"][r.value]) for r in MissReason])
     for key, kind, help_ in (("hits", "counter", "Hits served by the tier."),
                              ("puts", "counter", "Blocks stored in the tier."),
                              ("evictions", "counter", "Blocks evicted from the tier."),
@@ -88,19 +100,40 @@ def _store_families(family: Callable, daemon: Daemon) -> None:
                              ("used_bytes", "gauge", "Bytes the tier holds."),
                              ("capacity_bytes", "gauge", "The tier's capacity.")):
         name = f"tier_{key}" + ("_total" if kind == "counter" else "")
-        family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
-    family("tier_counter", "gauge", "A tier's own running totals (NVMe compactions, Redis reconnects, ...).",
-           [({"tier": t, "counter": k}, v) for t, row in tiers.items()
-            for k, v in sorted(row.get("tier", {}).items()) if isinstance(v, (int, float))])
-    family("requests_total", "counter", "Requests served, by opcode.",
-           [({"op": op}, n) for op, n in daemon.requests.items()])
-    family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
-           [({}, daemon.errors)])
-    family("connections", "gauge", "Open client connections.", [({}, len(daemon._conns))])
-    family("preauth_connections", "gauge", "Connections not authenticated yet.", [({}, daemon.preauth)])
-    family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
-    family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
-           [({}, int(daemon.health()[0]))])
+        yield _family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
+    yield _family("tier_counter", "gauge", "A tier's own running totals (NVMe compactions, Redis reconnects, ...).",
+                  [({"tier": t, "counter": k}, v) for t, row in tiers.items()
+                   for k, v in sorted(row.get("tier", {}).items()) if isinstance(v, (int, float))])
+    yield _family("requests_total", "counter", "Requests served, by opcode.",
+                  [({"op": op}, n) for op, n in daemon.requests.items()])
+    yield _family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
+                  [({}, daemon.errors)])
+    yield _family("connections", "gauge", "Open client connections.", [({}, len(daemon._conns))])
+    yield _family("preauth_connections", "gauge", "Connections not authenticated yet.", [({}, daemon.preauth)])
+    yield _family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
+    yield _family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
+                  [({}, int(daemon.health()[0]))])
+
+
+def daemon_registry(daemon: Daemon) -> tuple[CollectorRegistry, Histogram]:
+    """The daemon's registry: its counters, the store's histograms, and the
+    request-latency histogram it returns (to observe)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    registry.register(daemon.store.metrics)
+    requests = Histogram("kvstore_request_seconds", "Time the daemon took to serve a request, by opcode.",
+                         ["op"], buckets=LATENCY_BUCKETS, registry=registry)
+    return registry, requests
+
+
+def render_metrics(daemon: Daemon, tenant: Tenant | None = None) -> str:
+    """Prometheus exposition: everything (``tenant`` None: an admin, and the
+    HTTP endpoint), or a tenant's own rows only (what the METRICS op answers)."""
+    if tenant is None:
+        return generate_latest(daemon.registry).decode()
+    own = CollectorRegistry(auto_describe=False)
+    own.register(DaemonCollector(daemon, tenant))
+    return generate_latest(own).decode()
 
 
 MAX_SCRAPES = 16

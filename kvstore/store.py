@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Histogram
 
 from kvstore.errors import InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
@@ -33,6 +34,8 @@ from kvstore.stats import StoreStats
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
 _GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
 
 
@@ -75,6 +78,12 @@ class TieredStore:
             tier.honour_pins(self.leases.any_pinned)
         self.clock = clock
         self.stats = StoreStats()
+        # latency of every tier call (one batch), for /metrics: a registry of the
+        # store's own that whoever exposes metrics (the daemon) includes in theirs
+        self.metrics = CollectorRegistry(auto_describe=False)
+        self._tier_seconds = Histogram("kvstore_tier_seconds", "Time of one tier call (a batch), by tier and "
+                                       "operation.", ["tier", "op"], buckets=LATENCY_BUCKETS,
+                                       registry=self.metrics)
         for n in names:
             self.stats.tier(n)
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
@@ -114,7 +123,9 @@ class TieredStore:
         for ti, tier in enumerate(self.tiers):
             if not todo:
                 break
+            t0 = time.perf_counter()
             found = await tier.contains_many([keys[i] for i in todo])
+            self._tier_seconds.labels(tier.name, "lookup").observe(time.perf_counter() - t0)
             for i, hit in zip(todo, found):
                 if hit:
                     where[i] = ti
@@ -224,7 +235,9 @@ class TieredStore:
                 out[i] = PutOutcome.NO_SPACE
             return list(todo)
         await self._make_room(t, spec, sum(keys[i] not in order for i in todo))
+        t0 = time.perf_counter()
         res = await tier.put_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
+        self._tier_seconds.labels(tier.name, "put").observe(time.perf_counter() - t0)
         self._after_self_eviction(t)
         left = []
         for i, r in zip(todo, res):
@@ -336,7 +349,9 @@ class TieredStore:
             for ti, tier in enumerate(self.tiers):
                 if not todo:
                     break
+                t0 = time.perf_counter()
                 outs = await tier.get_into_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
+                self._tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - t0)
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
             if not self._invalidated_since(spec.namespace, start):  # never re-add invalidated blocks
                 await self._promote(spec, keys, views, hit_tier)
