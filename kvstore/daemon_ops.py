@@ -195,14 +195,10 @@ class Handlers:
         ten.reconciled = (removals, now)
         held = list(ten.held)
         for start in range(0, len(held), _RECONCILE_SLICE):
-            todo = held[start:start + _RECONCILE_SLICE]
-            for tier in self.store.tiers:
-                if not todo:
-                    break
-                found = await tier.contains_many(todo)
-                todo = [k for k, f in zip(todo, found) if not f]
-            for k in todo:
-                ten.release(k)
+            part = held[start:start + _RECONCILE_SLICE]
+            for k, there in zip(part, await self.store.aheld(part)):
+                if not there:
+                    ten.release(k)
             await asyncio.sleep(0)
 
     async def _get(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:

@@ -317,6 +317,20 @@ class TieredStore:
         outcome, landed = await self._put_one(dst, spec, key, buf)
         return (outcome, landed) if landed is not None else (None, None)
 
+    async def aheld(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether some tier holds each key (no request is counted: a daemon's
+        quota bookkeeping asks this)."""
+        out = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self.tiers:
+            if not todo:
+                break
+            found = await tier.contains_many([keys[i] for i in todo])
+            for i, f in zip(todo, found):
+                out[i] = f
+            todo = [i for i, f in zip(todo, found) if not f]
+        return out
+
     async def _held_in(self, key: BlockKey, tier_indexes: Sequence[int]) -> bool:
         for t in tier_indexes:
             if (await self.tiers[t].contains_many([key]))[0]:
