@@ -27,10 +27,11 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
+from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
 
@@ -186,11 +187,11 @@ def build_identity(*, engine: str, model_id: str, layout: KVLayout, user: Mappin
 
 # -- one store per config per process ---------------------------------------------
 
-_STORES: dict[str, Any] = {}
+_STORES: dict[str, Store] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], T] | None = None) -> T:
+def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], Store] | None = None) -> Store:
     """The process's store for ``config``, opened on first use.
 
     Why shared: vLLM builds one connector object for the scheduler and another
@@ -210,20 +211,35 @@ def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], T] | None 
                           "(every lookup misses, saves are dropped)", type(exc).__name__, exc)
                 store = UnavailableStore(f"{type(exc).__name__}: {exc}")
             _STORES[key] = store
-        return cast(T, store)   # the opener's type, or a stand-in with the same store API
+        return store
 
 
 class UnavailableStore:
-    """Stands in for a store that could not be opened: every call raises
-    :class:`TierUnavailable`, which :class:`StoreGuard` turns into a miss."""
+    """Stands in for a store that could not be opened: every data call raises
+    :class:`TierUnavailable`, which :class:`StoreGuard` turns into a miss.
+    It answers the whole :class:`kvstore.facade.Store` API by name, so a typo
+    in a connector is a type error, not a silent miss."""
 
     def __init__(self, why: str) -> None:
         self.why = why
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        def fail(*args: Any, **kwargs: Any) -> Any:
-            raise TierUnavailable(f"store unavailable: {self.why}")
-        return fail
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise TierUnavailable(f"store unavailable: {self.why}")
+
+    lookup = put = put_async = get_into = get_views = get = prefetch = _fail
+    pin = unpin = invalidate = _fail
+
+    def stats(self) -> dict[str, Any]:
+        return {"unavailable": self.why}
+
+    def close(self) -> None:
+        """Nothing was opened."""
+
+    def __enter__(self) -> UnavailableStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def process_local_tiers(config: StoreConfig) -> list[str]:
@@ -235,8 +251,8 @@ def process_local_tiers(config: StoreConfig) -> list[str]:
                                   ("nvme", config.nvme_bytes)) if on]
 
 
-def open_store(config: StoreConfig) -> Any:
-    """A blocking :class:`kvstore.sync.KVStore` built from ``config``."""
+def open_store(config: StoreConfig) -> Store:
+    """The blocking store ``config`` names (in-process, or the daemon's client)."""
     from kvstore.factory import open_store as _open
     return _open(config)
 

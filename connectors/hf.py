@@ -36,6 +36,7 @@ from kvstore.connectors._common import (
     rope_fields,
 )
 from kvstore.errors import ConfigError, MissingDependency
+from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
@@ -107,7 +108,7 @@ class HFPrefixCache:
     object copies bytes in and out and keeps no tensors.
     """
 
-    def __init__(self, store: Any, identity: CacheIdentity, *, config: Any = None) -> None:
+    def __init__(self, store: Store, identity: CacheIdentity, *, config: Any = None) -> None:
         if identity.layout.attention == "mla":
             raise ConfigError("the transformers connector stores K and V; MLA models are not supported")
         self.store = store

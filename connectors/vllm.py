@@ -66,6 +66,7 @@ from kvstore.connectors._common import (
     shared_store,
 )
 from kvstore.errors import ConfigError, MissingDependency
+from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain, MediaRef
 from kvstore.outcomes import MissReason
@@ -474,7 +475,7 @@ class _Worker:
         return torch.from_numpy(buf).view(first.dtype).view(n, len(self.layers), *first.shape[1:])
 
     # -- load --------------------------------------------------------------------
-    def load(self, store: Any, guard: StoreGuard, ident: CacheIdentity, keys: list[BlockKey],
+    def load(self, store: Store, guard: StoreGuard, ident: CacheIdentity, keys: list[BlockKey],
              block_ids: list[int]) -> bool:
         """Read ``keys`` and scatter them into ``block_ids`` of every layer.
 

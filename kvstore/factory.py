@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.facade import Store
 from kvstore.store import TieredStore
 from kvstore.sync import KVStore
 
@@ -75,12 +76,12 @@ async def build_store(cfg: StoreConfig) -> TieredStore:
                        max_prefetch=cfg.max_prefetch, durable_tier=durable_tier(cfg, tiers))
 
 
-def open_store(cfg: StoreConfig) -> KVStore:
+def open_store(cfg: StoreConfig) -> Store:
     """A blocking store on its own event-loop thread (close it, or use `with`).
 
     With ``daemon_url`` set, a :class:`kvstore.remote.RemoteStore` with the
     same API: the tiers live in the ``kvstore serve`` daemon."""
     if cfg.daemon_url:
         from kvstore.remote import RemoteStore  # noqa: PLC0415
-        return RemoteStore.from_store_config(cfg)  # type: ignore[return-value]
+        return RemoteStore.from_store_config(cfg)
     return KVStore(lambda: build_store(cfg))

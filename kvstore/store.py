@@ -462,12 +462,14 @@ class TieredStore:
                 return int(outcome is PutOutcome.STORED and landed == ti)
         return 0
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
         expired, in any tier; NVMe keeps the segments that hold them (a put
         that finds every segment pinned gets NO_SPACE there). Pins live in
-        this process: a restart drops them."""
+        this process: a restart drops them. Returns the TTL granted (all of
+        it, in process; a daemon caps it)."""
         self.leases.pin([check_key(k) for k in keys], ttl_s)
+        return float(ttl_s)
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         self.leases.unpin([check_key(k) for k in keys])

@@ -93,8 +93,8 @@ class KVStore:
             return await self.store.aprefetch(keys, to)
         return asyncio.run_coroutine_threadsafe(_wait(), self._loop)
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> None:
-        self._run(lambda: self.store.pin(keys, ttl_s))
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
+        return self._run(lambda: self.store.pin(keys, ttl_s))
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         self._run(lambda: self.store.unpin(keys))

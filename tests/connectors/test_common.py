@@ -6,7 +6,24 @@ import math
 
 import pytest
 
-from kvstore.connectors._common import FOLLOWUP_PARAM, StoreGuard, request_followup
+from kvstore.config import StoreConfig
+from kvstore.connectors._common import (
+    FOLLOWUP_PARAM,
+    StoreGuard,
+    UnavailableStore,
+    request_followup,
+    shared_store,
+)
+from kvstore.errors import TierUnavailable
+from kvstore.facade import Store
+from kvstore.factory import open_store
+from kvstore.keys import BlockKey
+from kvstore.remote import RemoteStore
+from kvstore.sync import KVStore
+
+STORE_API = sorted(n for n in vars(Store) if not n.startswith("_") or n in ("__enter__", "__exit__"))
+DATA_CALLS = ("lookup", "put", "put_async", "get_into", "get_views", "get", "prefetch",
+              "pin", "unpin", "invalidate")
 
 
 @pytest.mark.parametrize("params, want", [
@@ -32,3 +49,36 @@ def test_a_bad_request_hint_is_ignored_with_one_warning(bad, caplog):
     warnings = [r for r in caplog.records if FOLLOWUP_PARAM in r.getMessage()]
     assert len(warnings) == 1 and "ignoring it" in warnings[0].getMessage()
     assert guard.errors == 0                         # not a store failure
+
+
+@pytest.mark.parametrize("facade", [KVStore, RemoteStore, UnavailableStore])
+def test_every_facade_defines_the_whole_store_api(facade):
+    """Defined on the class, not answered by __getattr__: a connector's typo
+    must be an AttributeError, not a silent miss."""
+    assert set(DATA_CALLS) <= set(STORE_API)
+    missing = [n for n in STORE_API if not any(n in vars(c) for c in facade.__mro__[:-1])]
+    assert missing == []
+
+
+def test_an_unopenable_store_answers_with_tier_unavailable_and_stays_usable(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = StoreConfig(dram_bytes=1 << 20, nvme_path=str(blocker / "nvme"), nvme_bytes=1 << 20)
+    with caplog.at_level(logging.ERROR, logger="kvstore"):
+        store = shared_store(cfg)
+    assert isinstance(store, UnavailableStore) and isinstance(store, Store)
+    for name in DATA_CALLS:
+        with pytest.raises(TierUnavailable):
+            getattr(store, name)([BlockKey(b"k" * 16)])
+    assert "unavailable" in store.stats()
+    with pytest.raises(AttributeError):
+        store.lokup  # noqa: B018 - the typo is the point
+    guard = StoreGuard("test")
+    assert guard.call("lookup", lambda: store.lookup([]), fallback="missed") == "missed"
+
+
+def test_in_process_pin_returns_the_ttl_it_granted():
+    with open_store(StoreConfig(dram_bytes=1 << 20)) as store:
+        assert isinstance(store, Store)
+        assert store.pin([BlockKey(b"k" * 16)], 30.0) == 30.0
+        store.unpin([BlockKey(b"k" * 16)])

@@ -1,0 +1,63 @@
+"""The blocking store API every facade offers, as one Protocol.
+
+Three classes answer it: :class:`kvstore.sync.KVStore` (the in-process
+TieredStore on its own loop), :class:`kvstore.remote.RemoteStore` (the
+daemon's client) and :class:`kvstore.connectors._common.UnavailableStore`
+(a store that could not be opened). Connectors are written against
+:class:`Store`, so a deployment moves between them by configuration alone;
+``open_store`` returns one. Threading: every method may be called from any
+thread; ``put_async`` and ``prefetch`` return futures.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey
+from kvstore.outcomes import MissReason, PutOutcome
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store import LookupResult
+
+Consume = Callable[[int, np.ndarray, list[MissReason | None]], None]
+
+
+@runtime_checkable
+class Store(Protocol):
+    def lookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
+               probe: bool = False) -> LookupResult: ...
+
+    def put(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+            blocks: Sequence[object]) -> list[PutOutcome]: ...
+
+    def put_async(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  blocks: Sequence[object]) -> concurrent.futures.Future: ...
+
+    def get_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                 dsts: Sequence[object]) -> list[MissReason | None]: ...
+
+    def get_views(self, identity: CacheIdentity, keys: Sequence[BlockKey],
+                  consume: Consume) -> list[MissReason | None]: ...
+
+    def get(self, identity: CacheIdentity, keys: Sequence[BlockKey]) -> list[np.ndarray | None]: ...
+
+    def prefetch(self, keys: Sequence[BlockKey], to: str | int = 0) -> concurrent.futures.Future: ...
+
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
+        """Pin for ``ttl_s``; returns the TTL granted (a daemon caps it)."""
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def invalidate(self, identity: CacheIdentity | bytes) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Store: ...
+
+    def __exit__(self, *exc: object) -> None: ...
