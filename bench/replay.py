@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
-from kvstore.bench.simulate import DataPlane, SimTier, Simulator
+from kvstore.bench.simulate import PlanReplay, StepResult
 from kvstore.bench.trace import TraceRequest, read_trace
 from kvstore.errors import ConfigError
+from kvstore.planner import Planner, TierPlan
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy
 from kvstore.policies.belady import belady_tier_hits
-from kvstore.policies.eviction import LRU, make_eviction
+from kvstore.policies.eviction import make_eviction, tier_orders
 from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
 
@@ -85,11 +88,28 @@ class ReplayConfig:
         return [(n, c // self.block_tokens) for n, c in zip(TIER_NAMES, caps) if c > 0]
 
 
-def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
-                    data_plane: DataPlane | None = None, record_events: bool = False) -> Simulator:
+@dataclass(slots=True)
+class PolicySetup:
+    """What one online policy runs on: its tiers (name, capacity in blocks),
+    its placement and the eviction order below HBM (None: the placement's
+    own when it models reuse, else LRU). Fresh objects on every call: the
+    planner-only replay and the store replay each get their own."""
+
+    tiers: list[tuple[str, int]]
+    placement: PlacementPolicy
+    lower: Callable[[], EvictionPolicy] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.tiers]
+
+
+def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup:
     """Fresh tiers and policy objects for one online policy."""
     tiers = cfg.tiers()
     names = [n for n, _ in tiers]
+    lower: Callable[[], EvictionPolicy] | None = None
+    placement: PlacementPolicy
     if policy == "hbm-only":
         tiers, placement = tiers[:1], HbmOnly(names[:1])
     elif policy == "always-offload":
@@ -105,20 +125,25 @@ def build_simulator(policy: str, cfg: ReplayConfig, cost: CostModel, *,
             names, rc, capacities={n: b * cfg.block_tokens for n, b in tiers},
             load_beats_recompute=lambda t: cost.load_beats_recompute(t, cfg.block_tokens),
             clock=lambda: 0.0)
+        # HBM is the engine's own prefix cache (LRU in vLLM / SGLang): no policy
+        # gets to reorder it; the regime policy's order (or the one asked for) applies below it.
+        if cfg.regime_eviction != "model":
+            name = cfg.regime_eviction
+            lower = lambda: make_eviction(name)   # noqa: E731
     else:
         raise ConfigError(f"{policy!r} is not an online policy")
-    # HBM is the engine's own prefix cache (LRU in vLLM / SGLang): no policy
-    # gets to reorder it; the regime policy's eviction order applies below it.
-    make_order = getattr(placement, "make_order", None)
+    return PolicySetup(tiers, placement, lower)
 
-    def order_for(i: int, name: str):
-        if not policy.startswith("regime") or i == 0:
-            return LRU()
-        if cfg.regime_eviction == "model" and make_order is not None:
-            return make_order(name)
-        return make_eviction(cfg.regime_eviction)
-    sim_tiers = [SimTier(n, b, order_for(i, n)) for i, (n, b) in enumerate(tiers)]
-    return Simulator(sim_tiers, placement, data_plane=data_plane, record_events=record_events)
+
+def build_replay(policy: str, cfg: ReplayConfig, cost: CostModel, *,
+                 record_events: bool = False) -> PlanReplay:
+    """The planner-only replay of one online policy: the store's planner
+    over budgets in blocks (every block has footprint 1)."""
+    setup = policy_setup(policy, cfg, cost)
+    orders = tier_orders(setup.placement, setup.names, lower=setup.lower)
+    plans = [TierPlan(name, blocks, order, footprint=lambda nbytes: 1, persistent=name in ("nvme", "redis"))
+             for (name, blocks), order in zip(setup.tiers, orders)]
+    return PlanReplay(Planner(plans, setup.placement), record_events=record_events)
 
 
 def storable(req: TraceRequest, cfg: ReplayConfig) -> int:
@@ -139,51 +164,64 @@ class PolicyRun:
     data_plane: dict | None = None                            # the data plane's close() summary
 
 
+DataPlaneFactory = Callable[[str, PolicySetup, PlanReplay], "Replayer"]
+
+
 def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig, cost: CostModel,
-               data_plane: DataPlane | None = None,
-               data_plane_factory: Callable[[str, list[str]], DataPlane] | None = None) -> PolicyRun:
-    """One online policy over ``requests``. A data plane (given, or made by
-    ``data_plane_factory(policy, tier_names)`` with the simulation's own tiers)
-    is told every decision; if it has ``begin_request(req)`` / ``end_request()``
-    they bracket each step, and a factory-made one is closed at the end, its
-    ``close()`` summary landing in ``PolicyRun.data_plane``."""
-    sim = build_simulator(policy, cfg, cost, data_plane=data_plane)
-    names = [t.name for t in sim.tiers]
-    owned = data_plane_factory is not None and data_plane is None
-    if data_plane_factory is not None and data_plane is None:
-        sim.data_plane = data_plane = data_plane_factory(policy, names)
+               data_plane_factory: DataPlaneFactory | None = None) -> PolicyRun:
+    """One online policy over ``requests``: on the planner alone, or through
+    the replayer ``data_plane_factory(policy, setup, shadow)`` makes (a real
+    store: :mod:`kvstore.bench.dataplane`; ``shadow`` is the planner-only
+    replay to check it against), whose ``close()`` summary lands in
+    ``PolicyRun.data_plane``."""
+    replayer: Replayer
+    if data_plane_factory is None:
+        replayer = build_replay(policy, cfg, cost)
+    else:
+        replayer = data_plane_factory(policy, policy_setup(policy, cfg, cost), build_replay(policy, cfg, cost))
     try:
-        run = _steps(sim, policy, requests, cfg, data_plane)
+        run = _steps(replayer, policy, requests, cfg)
     finally:
-        close = getattr(data_plane, "close", None) if owned else None
-        summary = close() if close is not None else None
-    run.data_plane = summary
+        summary = replayer.close()
+    run.placement_stats = replayer.planner.placement.stats()
+    run.tier_io = {t.name: {"writes": t.writes, "reads": t.reads, "evictions": t.evictions + t.lost}
+                   for t in replayer.planner.tiers}
+    run.data_plane = summary or None
     return run
 
 
-def _steps(sim: Simulator, policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig,
-           data_plane: DataPlane | None) -> PolicyRun:
-    names = [t.name for t in sim.tiers]
-    run = PolicyRun(names)
-    nt = len(names)
+class Replayer(Protocol):
+    """What serves a replay's requests: :class:`PlanReplay`, or a store
+    replay (:class:`kvstore.bench.dataplane.StoreReplay`). ``close()``
+    returns the data plane's summary ({} for none)."""
+
+    planner: Planner
+
+    def begin_request(self, req: TraceRequest) -> None: ...
+
+    def step(self, keys: Sequence[Hashable], now: float, storable: int | None = None,
+             followup: float | None = None) -> StepResult: ...
+
+    def close(self) -> dict: ...
+
+
+def _steps(replayer: Replayer, policy: str, requests: Sequence[TraceRequest],
+           cfg: ReplayConfig) -> PolicyRun:
+    run = PolicyRun([t.name for t in replayer.planner.tiers])
+    nt = len(run.tier_names)
+    placement = replayer.planner.placement
     is_regime = policy.startswith("regime")
     hints = followup_hints(requests, policy, cfg)
-    begin = getattr(data_plane, "begin_request", None)
-    end = getattr(data_plane, "end_request", None)
     for req, hint in zip(requests, hints):
-        if begin is not None:
-            begin(req)
-        res = sim.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg), hint)
-        if end is not None:
-            end()
+        replayer.begin_request(req)
+        res = replayer.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg), hint)
         counts = [0] * nt
         for t in res.hit_tiers:
             counts[t] += 1
         run.hits.append(counts)
         run.writethrough.append(res.writethrough_blocks)
-        run.uses_l2.append(sim.placement.regime != Regime.HBM_ONLY if is_regime else nt > 1)
-    run.placement_stats = sim.placement.stats()
-    run.tier_io = {t.name: {"writes": t.writes, "reads": t.reads} for t in sim.tiers}
+        run.uses_l2.append(placement.regime != Regime.HBM_ONLY if is_regime  # type: ignore[attr-defined]
+                           else nt > 1)
     return run
 
 
@@ -342,12 +380,13 @@ def load_requests(trace: str | Path | None = None, workload=None,
 def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
                cost: CostModel | None = None, json_out: str | Path | None = None,
                plots_dir: str | Path | None = None, command: str | None = None,
-               data_plane_factory: Callable[[str, list[str]], DataPlane] | None = None) -> dict:
+               data_plane_factory: DataPlaneFactory | None = None) -> dict:
     """Replay ``requests`` under every policy of ``cfg``; returns the report dict
     ``{"policies": {NAME: {...}}, "cost_model": {...}, "config": {...}}``.
 
-    ``data_plane_factory(policy, tier_names)`` attaches real tiers to an online
-    policy's simulation (decisions are unchanged; see :mod:`kvstore.bench.dataplane`);
+    ``data_plane_factory(policy, setup, shadow)`` replays an online policy
+    through a real store instead of the planner alone, checked against the
+    planner alone (see :mod:`kvstore.bench.dataplane`);
     the summary a data plane's ``close()`` returns is ``policies[NAME]["data_plane"]``.
     Writes ``json_out`` (without
     per-request TTFT lists) and PNG plots into ``plots_dir`` when given.
@@ -431,4 +470,5 @@ def _dp_cell(d: dict | None) -> str:
     if d["ok"]:
         return f"{d['verified_blocks']:,} verified"
     return (f"FAILED: {d['wrong_blocks']} wrong, {d['missing_blocks']} missing, "
-            f"{d['tier_evicted_blocks']} tier-evicted, {d['protocol_errors']} protocol")
+            f"{d['refused_blocks']} refused, {d['tier_evicted_blocks']} tier-evicted, "
+            f"{d['diverged_requests']} diverged")

@@ -98,7 +98,8 @@ def _store_families(daemon: Daemon) -> Iterator[Metric]:
                              ("bytes_read", "counter", "Payload bytes read from the tier."),
                              ("bytes_written", "counter", "Payload bytes written to the tier."),
                              ("used_bytes", "gauge", "Bytes the tier holds."),
-                             ("capacity_bytes", "gauge", "The tier's capacity.")):
+                             ("capacity_bytes", "gauge", "The tier's capacity."),
+                             ("budget_bytes", "gauge", "The bytes the store's planner fills the tier to.")):
         name = f"tier_{key}" + ("_total" if kind == "counter" else "")
         yield _family(name, kind, help_, [({"tier": t}, row.get(key, 0)) for t, row in tiers.items()])
     yield _family("tier_counter", "gauge", "A tier's own running totals (NVMe compactions, Redis reconnects, ...).",

@@ -25,6 +25,7 @@ class TierCounters:
     promotions_in: int = 0
     corrupt: int = 0
     unavailable: int = 0
+    refused: int = 0          # writes the tier refused for want of room the planner thought it had
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class StoreStats:
     prefetches: int = 0
     prefetched_blocks: int = 0
     invalidated_blocks: int = 0
+    writethrough_blocks: int = 0   # copies of put blocks written beyond each block's first
 
     def tier(self, name: str) -> TierCounters:
         if name not in self.tiers:
@@ -85,4 +87,5 @@ class StoreStats:
             "lookup_hit_blocks": self.lookup_hit_blocks,
             "prefetches": self.prefetches, "prefetched_blocks": self.prefetched_blocks,
             "invalidated_blocks": self.invalidated_blocks,
+            "writethrough_blocks": self.writethrough_blocks,
         }

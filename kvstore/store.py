@@ -1,9 +1,15 @@
 """TieredStore: the one object that knows every tier.
 
-Data flows one way: a connector or the daemon calls the store, a placement
-policy decides where blocks go, tiers move the bytes. Tiers are ordered
-fastest first (hbm, dram, nvme, redis). The async methods are the API; the
-sync facade in :mod:`kvstore.sync` runs them on a private event loop.
+Data flows one way: a connector or the daemon calls the store, the
+:class:`~kvstore.planner.Planner` decides (what is evicted, demoted,
+promoted, where a put goes), the :class:`~kvstore.moves.Executor` moves the
+bytes between tiers. Tiers are ordered fastest first (hbm, dram, nvme,
+redis). The async methods are the API; the sync facade in
+:mod:`kvstore.sync` runs them on a private event loop.
+
+Where a block is comes from the tiers themselves (a lookup asks them); the
+planner's belief is corrected where they disagree (Redis expired a key,
+another process dropped it). The replay drives the same planner.
 
 Threading: one event loop owns a TieredStore; its methods are coroutines and
 must be awaited on that loop. Caller buffers passed to ``aput`` may be reused
@@ -15,8 +21,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
@@ -25,9 +32,11 @@ from kvstore.errors import InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.leases import Leases
+from kvstore.moves import Applied, Executor, Held
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
+from kvstore.planner import Planner, TierPlan, extra_copies
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
-from kvstore.policies.eviction import LRU
+from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.stats import StoreStats
@@ -46,9 +55,11 @@ class LookupResult:
     reasons: list[MissReason | None]         # why each missing key is missing
 
 
+
 class TieredStore:
     def __init__(self, tiers: Sequence[Tier], *, placement: PlacementPolicy | None = None,
                  eviction: Callable[[], EvictionPolicy] = LRU,
+                 lower_eviction: Callable[[], EvictionPolicy] | None = None,
                  clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
                  max_prefetch_blocks: int = 4096, flush_on_close: bool = True,
                  durable_tier: int | None = None) -> None:
@@ -57,51 +68,59 @@ class TieredStore:
         stores is then written there too, and the put's outcome is that
         write's: STORED / EXISTS only once the block is on disk, else the
         tier's NO_SPACE / UNAVAILABLE (a copy in a faster tier may still
-        serve hits, but is not acknowledged)."""
+        serve hits, but is not acknowledged). ``eviction``: the order of the
+        first tier; ``lower_eviction`` that of the others (default: the
+        placement's own when it models reuse, else ``eviction``)."""
         if not tiers:
             raise KVStoreError("a store needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise KVStoreError(f"tier names must be unique, got {names}")
+        if durable_tier is not None and not (0 <= durable_tier < len(tiers) and tiers[durable_tier].persistent):
+            raise KVStoreError(f"durable_tier must name a persistent tier, got {durable_tier!r}")
+        if max_prefetch < 1 or max_prefetch_blocks < 1:
+            raise KVStoreError("max_prefetch and max_prefetch_blocks must be >= 1")
         self.tiers = list(tiers)
         self.names = names
-        self.placement = placement or Cascade(names)  # put high, demote on eviction, promote on hit
-        # a placement that models reuse may order the tiers below the first one itself
-        make_order = getattr(self.placement, "make_order", None)
-        self._order = [make_order(n) if make_order and i > 0 else eviction()
-                       for i, n in enumerate(names)]
-        for order, tier in zip(self._order, self.tiers):  # blocks a tier held before we started
-            for key in tier.iter_keys():
-                order.insert(key)
+        self.durable_tier = durable_tier
+        self.clock = clock
         self.leases = Leases(clock)
+        self.stats = StoreStats()
+        for n in names:
+            self.stats.tier(n)
+        self.planner = build_planner(self.tiers, placement or Cascade(names), eviction, lower_eviction,
+                                     protected=self.leases, durable=durable_tier)
+        self.executor = Executor(self.tiers, self.planner, self.stats, self._observe)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
             tier.honour_pins(self.leases.any_pinned)
-        self.clock = clock
-        self.stats = StoreStats()
         # latency of every tier call (one batch), for /metrics: a registry of the
         # store's own that whoever exposes metrics (the daemon) includes in theirs
         self.metrics = CollectorRegistry(auto_describe=False)
         self._tier_seconds = Histogram("kvstore_tier_seconds", "Time of one tier call (a batch), by tier and "
                                        "operation.", ["tier", "op"], buckets=LATENCY_BUCKETS,
                                        registry=self.metrics)
-        for n in names:
-            self.stats.tier(n)
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
         self.removals = 0                      # blocks the store saw leave it (evicted, invalidated)
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
-        if max_prefetch < 1 or max_prefetch_blocks < 1:
-            raise KVStoreError("max_prefetch and max_prefetch_blocks must be >= 1")
+        self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
         self._prefetch_slots = asyncio.Semaphore(max_prefetch)
         self._prefetch_budget = max_prefetch_blocks
         self._prefetch_queued = 0
         self._tasks: set[asyncio.Task] = set()
         self._flush_on_close = flush_on_close
-        if durable_tier is not None and not (0 <= durable_tier < len(self.tiers)
-                                             and self.tiers[durable_tier].persistent):
-            raise KVStoreError(f"durable_tier must name a persistent tier, got {durable_tier!r}")
-        self.durable_tier = durable_tier
+
+    @property
+    def placement(self) -> PlacementPolicy:
+        return self.planner.placement
+
+    @placement.setter
+    def placement(self, placement: PlacementPolicy) -> None:
+        self.planner.placement = placement
+
+    def _observe(self, tier: str, op: str, seconds: float) -> None:
+        self._tier_seconds.labels(tier, op).observe(seconds)
 
     # -- lookup -----------------------------------------------------------------
     async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
@@ -125,10 +144,12 @@ class TieredStore:
                 break
             t0 = time.perf_counter()
             found = await tier.contains_many([keys[i] for i in todo])
-            self._tier_seconds.labels(tier.name, "lookup").observe(time.perf_counter() - t0)
+            self._observe(tier.name, "lookup", time.perf_counter() - t0)
             for i, hit in zip(todo, found):
                 if hit:
                     where[i] = ti
+                elif keys[i] not in self.leases:   # a write in flight is not there yet
+                    self.planner.lost(keys[i], ti)  # the tier says it is gone (expired, dropped)
             todo = [i for i in todo if where[i] is None]
         prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
         reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
@@ -145,7 +166,7 @@ class TieredStore:
         self.stats.lookup_hit_blocks += prefix
         if prefix < len(keys):
             self.stats.lookup_misses[reasons[prefix]] += 1
-        self.placement.on_request(keys, self.clock(), followup=followup)
+        self.planner.request(keys, self.clock(), followup)
 
     def _reason(self, key: BlockKey) -> MissReason:
         return self._gone.get(key, MissReason.NEVER_STORED)
@@ -156,110 +177,95 @@ class TieredStore:
         self._gone.move_to_end(key)
         if len(self._gone) > _GONE_MEMORY:
             self._gone.popitem(last=False)
+        self._ns_of.pop(key, None)
 
     # -- put --------------------------------------------------------------------
     async def aput(self, identity: CacheIdentity, keys: Sequence[BlockKey],
                    blocks: Sequence[object], *, owner: int = 0) -> list[PutOutcome]:
         """Store sealed blocks (idempotent). Returns one outcome per key.
 
-        Keys with the same placement go to their tier as one batch (one
-        ``put_many``: one fdatasync for a durable NVMe tier, one pipeline for Redis).
+        The planner places them; each tier gets one ``put_many`` (one
+        fdatasync for a durable NVMe tier, one pipeline for Redis).
         ``owner``: the tag every record carries (the daemon's tenant; see
         :mod:`kvstore.record`). With a ``durable_tier`` the outcome is the
-        durable write's (see ``__init__``).
+        durable write's (see ``__init__``). A key another put is writing
+        right now gets that write's outcome (EXISTS once it landed).
         """
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
-        out = [PutOutcome.DECLINED] * len(keys)
-        fresh: list[tuple[int, int]] = []     # (block, tier) of every copy this call stored
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(tuple(self.placement.put_targets(key)), []).append(i)
-        for targets, idx in groups.items():
-            for ti in targets:
-                where: list[int | None] = [None] * len(idx)
-                res = await self._put_batch(ti, spec, [keys[i] for i in idx], [views[i] for i in idx], where)
-                for i, r, t in zip(idx, res, where):
-                    if r is PutOutcome.STORED and t is not None:
-                        fresh.append((i, t))
-                    if out[i] is not PutOutcome.STORED and (out[i] is PutOutcome.DECLINED
-                                                            or r is not PutOutcome.NO_SPACE):
-                        out[i] = r
-        if self.durable_tier is not None:
-            await self._put_durably(spec, keys, views, out, fresh)
+        plan = self.planner.put(keys, spec.nbytes)
+        waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
+                 if st == "exists" and k in self._inflight}
+        mine = [k for k, st in zip(keys, plan.status) if st == "planned"]
+        result: asyncio.Future = asyncio.get_running_loop().create_future()
+        for k in mine:
+            self._inflight[k] = result
+        outcomes: dict[BlockKey, PutOutcome] = {}
+        try:
+            done = await self._apply(plan.moves, {k: Held(spec, v) for k, v in zip(keys, views)})
+            self.stats.writethrough_blocks += extra_copies(done.written)
+            by_key = _outcomes_by_key(done)
+            out = [self._put_outcome(k, st, by_key.get(k, {})) for k, st in zip(keys, plan.status)]
+            await self._take_back(keys, out, by_key)
+            outcomes = {k: o for k, o in zip(keys, out)}
+        finally:
+            for k in mine:
+                if self._inflight.get(k) is result:
+                    del self._inflight[k]
+            result.set_result(outcomes)
+        for i, other in waits.items():
+            got = (await other).get(keys[i], PutOutcome.UNAVAILABLE)
+            out[i] = PutOutcome.EXISTS if got is PutOutcome.STORED else got
         return out
 
-    async def _put_durably(self, spec: BlockSpec, keys: Sequence[BlockKey], views: list,
-                           out: list[PutOutcome], fresh: list[tuple[int, int]]) -> None:
-        """Acknowledge only what the durable tier holds: write every block the
-        placement stored (anywhere) there too; EXISTS where it already is.
-        No fall-through below it: a slower tier would not be durable. A block
-        the durable tier refused is taken back out of the faster tiers this
-        call put it in: nothing unacknowledged is left behind (a daemon
-        counts only acknowledged blocks against a tenant's quota)."""
-        todo = [i for i, o in enumerate(out) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
-        if not todo or self.durable_tier is None:
+    def _put_outcome(self, key: BlockKey, status: str, outs: dict[int, PutOutcome]) -> PutOutcome:
+        if status == "declined":
+            return PutOutcome.DECLINED
+        if status == "no_room":
+            return PutOutcome.NO_SPACE
+        if self.durable_tier is not None and self.durable_tier in outs:
+            return outs[self.durable_tier]     # acknowledged only once it is on disk
+        if status == "exists":
+            return PutOutcome.EXISTS
+        got = set(outs.values())
+        for outcome in (PutOutcome.STORED, PutOutcome.EXISTS, PutOutcome.UNAVAILABLE):
+            if outcome in got:
+                return outcome
+        return PutOutcome.NO_SPACE
+
+    async def _take_back(self, keys: Sequence[BlockKey], out: list[PutOutcome],
+                         by_key: dict[BlockKey, dict[int, PutOutcome]]) -> None:
+        """A block the durable tier refused is taken back out of the faster
+        tiers this put stored it in: nothing unacknowledged is left behind (a
+        daemon counts only acknowledged blocks against a tenant's quota)."""
+        if self.durable_tier is None:
             return
-        durable: list[PutOutcome] = list(out)
-        await self._put_round(self.durable_tier, spec, list(keys), views, todo, durable, [None] * len(keys))
-        refused = {i for i in todo if durable[i] not in (PutOutcome.STORED, PutOutcome.EXISTS)}
-        for i in refused:
-            out[i] = durable[i]
-        for i, t in fresh:
-            if i in refused and t != self.durable_tier:
-                await self.tiers[t].delete_many([keys[i]])
-                self._order[t].remove(keys[i])
+        moves = []
+        for key, outcome in zip(keys, out):
+            if outcome in (PutOutcome.STORED, PutOutcome.EXISTS) or self.durable_tier not in by_key.get(key, {}):
+                continue
+            fresh = [t for t, o in by_key[key].items() if o is PutOutcome.STORED and t != self.durable_tier]
+            moves += self.planner.discard(key, fresh)
+        if moves:
+            await self._apply(moves, {})
 
-    async def _put_batch(self, ti: int, spec: BlockSpec, keys: list[BlockKey], views: list,
-                         where: list[int | None] | None = None) -> list[PutOutcome]:
-        """Put into tier ``ti``, making room by demotion; what does not fit
-        falls through to slower tiers. A batch larger than the tier behaves as
-        puts one by one would: its earlier blocks are demoted to make room.
-        ``where`` (optional) receives the tier each block ended up in."""
-        out = [PutOutcome.NO_SPACE] * len(keys)
-        where = where if where is not None else [None] * len(keys)
-        todo = list(range(len(keys)))
-        for t in range(ti, len(self.tiers)):
-            while todo:
-                left = await self._put_round(t, spec, keys, views, todo, out, where)
-                progress, todo = len(left) < len(todo), left
-                if not progress or PutOutcome.UNAVAILABLE in (out[i] for i in left):
-                    break  # no progress in this tier: the rest goes further down
-        return out
-
-    async def _put_round(self, t: int, spec: BlockSpec, keys: list[BlockKey], views: list,
-                         todo: list[int], out: list[PutOutcome], where: list[int | None]) -> list[int]:
-        tier, counters, order = self.tiers[t], self.stats.tier(self.names[t]), self._order[t]
-        if not tier.admits(spec):   # a block this tier can never hold (larger than a DRAM page)
-            for i in todo:
-                out[i] = PutOutcome.NO_SPACE
-            return list(todo)
-        await self._make_room(t, spec, sum(keys[i] not in order for i in todo))
-        t0 = time.perf_counter()
-        res = await tier.put_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
-        self._tier_seconds.labels(tier.name, "put").observe(time.perf_counter() - t0)
-        self._after_self_eviction(t)
-        left = []
-        for i, r in zip(todo, res):
-            out[i] = r
-            if r in (PutOutcome.STORED, PutOutcome.EXISTS):
-                order.insert(keys[i])  # idempotent: a known key is touched
-                where[i] = t
-                self._remember_ns(keys[i], spec.namespace)
-                self._gone.pop(keys[i], None)
-                if r is PutOutcome.STORED:
-                    counters.puts += 1
-                    counters.bytes_written += spec.nbytes
-            else:
-                counters.unavailable += r is PutOutcome.UNAVAILABLE
-                left.append(i)
-        return left
-
-    async def _put_one(self, ti: int, spec: BlockSpec, key: BlockKey,
-                       view: object) -> tuple[PutOutcome, int | None]:
-        """Outcome, and the tier the block ended up in (None if nowhere)."""
-        where: list[int | None] = [None]
-        return (await self._put_batch(ti, spec, [key], [view], where))[0], where[0]
+    async def _apply(self, moves: list, have: dict[BlockKey, Held], since: int | None = None) -> Applied:
+        """Execute a plan under transfer leases on every key it names (taken
+        before the first await, so no concurrent plan evicts them), fencing
+        copies of namespaces invalidated meanwhile; then remember where
+        blocks went and why others left. ``since``: the epoch the caller's
+        operation began at (its reads came before this plan)."""
+        start = self._epoch if since is None else since
+        with ExitStack() as held:
+            done = await self.executor.apply(
+                moves, have, hold=lambda keys: held.enter_context(self.leases.transfer(keys)),
+                fenced=lambda ns: self._invalidated_since(ns, start))
+        for key, spec in done.landed.items():
+            self._remember_ns(key, spec.namespace)
+            self._gone.pop(key, None)
+        for key in done.left:
+            self._forget(key, MissReason.EVICTED)
+        return done
 
     def _remember_ns(self, key: BlockKey, namespace: bytes) -> None:
         self._ns_of[key] = namespace
@@ -270,52 +276,6 @@ class TieredStore:
     def _invalidated_since(self, namespace: bytes, start_epoch: int) -> bool:
         """True when ``namespace`` was invalidated after an operation began at ``start_epoch``."""
         return self._ns_epoch.get(namespace, -1) > start_epoch
-
-    async def _make_room(self, ti: int, spec: BlockSpec, count: int = 1) -> None:
-        """Evict (demote) unprotected blocks until ``count`` blocks fit, or none is left.
-
-        Self-evicting tiers (NVMe segments, FIFO) make room themselves,
-        keeping what is pinned (see ``honour_pins``)."""
-        tier = self.tiers[ti]
-        if count <= 0 or tier.self_evicting:
-            return
-        while not tier.fits(spec, count):
-            victims = self._order[ti].evict(1, self.leases)
-            if not victims:
-                return
-            await self._evict(ti, victims[0])
-
-    async def _evict(self, ti: int, key: BlockKey) -> None:
-        """Move ``key`` out of tier ``ti``: demote if the policy says so, then delete."""
-        tier = self.tiers[ti]
-        self.stats.tier(tier.name).evictions += 1
-        target = self.placement.on_evict(key, ti)
-        landed, outcome = None, None
-        if target is not None and target > ti:
-            with self.leases.transfer([key]):
-                outcome, landed = await self._copy(key, ti, target)
-        await tier.delete_many([key])
-        if outcome is PutOutcome.STORED and landed is not None:
-            self.stats.tier(self.names[landed]).demotions_in += 1
-        if landed is None and not await self._held_in(key, range(len(self.tiers))):
-            self._forget(key, MissReason.EVICTED)
-            self._ns_of.pop(key, None)
-
-    async def _copy(self, key: BlockKey, src: int, dst: int) -> tuple[PutOutcome | None, int | None]:
-        """Copy a block from tier ``src`` to ``dst`` (or below, if full): the put
-        outcome and the tier it landed in; (None, None) if it could not be read
-        or its namespace was invalidated meanwhile."""
-        start = self._epoch
-        head = (await self.tiers[src].stat_many([key]))[0]
-        if head is None:
-            return None, None
-        spec = BlockSpec.of_header(head)
-        buf = np.empty(spec.nbytes, dtype=np.uint8)
-        if (await self.tiers[src].get_into_many(spec, [key], [buf]))[0] is not GetOutcome.HIT \
-                or self._invalidated_since(spec.namespace, start):
-            return None, None
-        outcome, landed = await self._put_one(dst, spec, key, buf)
-        return (outcome, landed) if landed is not None else (None, None)
 
     async def aheld(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether some tier holds each key (no request is counted: a daemon's
@@ -331,18 +291,6 @@ class TieredStore:
             todo = [i for i, f in zip(todo, found) if not f]
         return out
 
-    async def _held_in(self, key: BlockKey, tier_indexes: Sequence[int]) -> bool:
-        for t in tier_indexes:
-            if (await self.tiers[t].contains_many([key]))[0]:
-                return True
-        return False
-
-    def _after_self_eviction(self, ti: int) -> None:
-        for key in self.tiers[ti].drain_evicted():
-            self._order[ti].remove(key)
-            self.stats.tier(self.names[ti]).evictions += 1
-            self._forget(key, MissReason.EVICTED)
-
     # -- get --------------------------------------------------------------------
     async def aget_into(self, identity: CacheIdentity, keys: Sequence[BlockKey],
                         dsts: Sequence[object], *, owner: int = 0) -> list[MissReason | None]:
@@ -350,6 +298,7 @@ class TieredStore:
 
         Returns None per hit, else the miss reason. A corrupt copy in one tier
         is dropped and the next tier is tried before the block counts as a miss.
+        Hits are then promoted where the planner says (from the bytes just read).
         ``owner``: as for :meth:`aput`; a record of another owner never matches.
         """
         spec = BlockSpec.of(identity, owner)
@@ -365,10 +314,11 @@ class TieredStore:
                     break
                 t0 = time.perf_counter()
                 outs = await tier.get_into_many(spec, [keys[i] for i in todo], [views[i] for i in todo])
-                self._tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - t0)
+                self._observe(tier.name, "get", time.perf_counter() - t0)
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
-            if not self._invalidated_since(spec.namespace, start):  # never re-add invalidated blocks
-                await self._promote(spec, keys, views, hit_tier)
+            hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
+            moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes)
+            await self._apply(moves, {keys[i]: Held(spec, views[i]) for i, _ in hits}, since=start)
         for i, r in enumerate(result):
             if r is None:
                 self.stats.tenant_hits[tenant] += 1
@@ -387,11 +337,10 @@ class TieredStore:
                 result[i], hit_tier[i] = None, ti
                 counters.hits += 1
                 counters.bytes_read += spec.nbytes
-                self._order[ti].insert(keys[i])  # idempotent: touches a known key
                 continue
             if outcome is GetOutcome.CORRUPT:
                 counters.corrupt += 1
-                self._order[ti].remove(keys[i])
+                self.planner.lost(keys[i], ti)
                 result[i] = MissReason.CORRUPT
             elif outcome is GetOutcome.UNAVAILABLE:
                 counters.unavailable += 1
@@ -399,16 +348,6 @@ class TieredStore:
                     result[i] = MissReason.TIER_UNAVAILABLE
             left.append(i)
         return left
-
-    async def _promote(self, spec: BlockSpec, keys: Sequence[BlockKey], views: list, hit_tier: list) -> None:
-        for i, ti in enumerate(hit_tier):
-            if ti is None or ti == 0:
-                continue
-            target = self.placement.on_hit(keys[i], ti)
-            if target is not None and target < ti:
-                outcome, landed = await self._put_one(target, spec, keys[i], views[i])
-                if outcome is PutOutcome.STORED and landed is not None and landed < ti:
-                    self.stats.tier(self.names[landed]).promotions_in += 1
 
     async def aget(self, identity: CacheIdentity, keys: Sequence[BlockKey]
                    ) -> list[np.ndarray | None]:
@@ -444,23 +383,26 @@ class TieredStore:
         try:
             async with self._prefetch_slots:
                 self.stats.prefetches += 1
-                moved = 0
-                for key in keys:
-                    with self.leases.transfer([key]):
-                        moved += await self._prefetch_one(key, ti)
+                await self._adopt_unknown(keys, ti)
+                done = await self._apply(self.planner.prefetch(keys, ti), {})
+                moved = sum(o is PutOutcome.STORED for (_, t), o in done.outcomes.items() if t == ti)
                 self.stats.prefetched_blocks += moved
                 return moved
         finally:
             self._prefetch_queued -= len(keys)
 
-    async def _prefetch_one(self, key: BlockKey, ti: int) -> int:
-        if (await self.tiers[ti].contains_many([key]))[0]:
-            return 0
-        for src in range(ti + 1, len(self.tiers)):
-            if (await self.tiers[src].contains_many([key]))[0]:
-                outcome, landed = await self._copy(key, src, ti)
-                return int(outcome is PutOutcome.STORED and landed == ti)
-        return 0
+    async def _adopt_unknown(self, keys: list[BlockKey], above: int) -> None:
+        """Tell the planner of blocks below tier ``above`` that it does not
+        know (another process wrote them to a shared tier)."""
+        todo = [k for k in keys if self.planner.locate(k) is None]
+        for t in range(above + 1, len(self.tiers)):
+            if not todo:
+                return
+            heads = await self.tiers[t].stat_many(todo)
+            for key, head in zip(todo, heads):
+                if head is not None:
+                    self.planner.adopt(key, t, head.raw_len)
+            todo = [k for k, h in zip(todo, heads) if h is None]
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
@@ -485,9 +427,8 @@ class TieredStore:
         for tier in self.tiers:
             dropped += await tier.drop_namespace(ns)
         for key in [k for k, n in self._ns_of.items() if n == ns]:
-            for order in self._order:
-                order.remove(key)
-            del self._ns_of[key]
+            for t in range(len(self.tiers)):
+                self.planner.lost(key, t)
             self._forget(key, MissReason.INVALIDATED)
         self.stats.invalidated_blocks += dropped
         return dropped
@@ -505,10 +446,19 @@ class TieredStore:
         for tier in self.tiers:
             yield from tier.iter_owners()
 
+    def audit(self) -> list[TierAudit]:
+        """Per tier, what the planner believes it holds beside what the tier
+        really holds (``iter_keys``): equal sets unless a tier lost blocks
+        the store has not seen go yet. O(blocks held); for checks, not hot paths."""
+        return [TierAudit(name=name, kind=type(tier).__name__, planned=frozenset(self.planner.keys_in(t)),
+                          held=frozenset(tier.iter_keys()), lost=self.planner.tiers[t].lost)
+                for t, (tier, name) in enumerate(zip(self.tiers, self.names))]
+
     def snapshot(self) -> dict:
         snap = self.stats.snapshot()
         for tier, name in zip(self.tiers, self.names):
-            snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes)
+            snap["tiers"][name].update(used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes,
+                                       budget_bytes=tier.budget_bytes, kind=type(tier).__name__)
             own = tier.counters   # a tier's own totals (NVMe: compactions, Redis: reconnects, ...)
             if is_dataclass(own) and not isinstance(own, type):
                 snap["tiers"][name]["tier"] = asdict(own)
@@ -518,17 +468,8 @@ class TieredStore:
     async def aflush(self) -> int:
         """Write blocks held only in volatile tiers down to the first persistent
         tier below them, so a graceful shutdown loses nothing. Returns blocks written."""
-        written = 0
-        for ti, tier in enumerate(self.tiers):
-            below = [t for t in range(ti + 1, len(self.tiers)) if self.tiers[t].persistent]
-            if tier.persistent or not below:
-                continue
-            for key in tier.iter_keys():
-                if await self._held_in(key, below):
-                    continue
-                with self.leases.transfer([key]):
-                    written += (await self._copy(key, ti, below[0]))[0] is PutOutcome.STORED
-        return written
+        done = await self._apply(self.planner.flush(), {})
+        return sum(o is PutOutcome.STORED for o in done.outcomes.values())
 
     async def aclose(self) -> None:
         """Cancel prefetches, flush volatile tiers (``flush_on_close``), close tiers."""
@@ -539,3 +480,38 @@ class TieredStore:
             await self.aflush()
         for tier in self.tiers:
             await tier.close()
+
+
+@dataclass(frozen=True)
+class TierAudit:
+    """One tier's side of :meth:`TieredStore.audit`."""
+
+    name: str
+    kind: str                    # the tier's class name
+    planned: frozenset[BlockKey]  # where the planner believes blocks are
+    held: frozenset[BlockKey]     # what the tier lists
+    lost: int                     # blocks the tier dropped by itself, so far
+
+
+def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
+                  eviction: Callable[[], EvictionPolicy] = LRU,
+                  lower_eviction: Callable[[], EvictionPolicy] | None = None, *,
+                  protected: Container[BlockKey] = frozenset(), durable: int | None = None) -> Planner:
+    """The planner over real tiers: each tier's budget in bytes and the
+    footprint of a block there, and the blocks they already hold."""
+    orders = tier_orders(placement, [t.name for t in tiers], top=eviction, lower=lower_eviction)
+    plans = [TierPlan(t.name, t.budget_bytes, order, footprint=t.footprint, persistent=t.persistent,
+                      retry_when_full=not t.self_evicting)
+             for t, order in zip(tiers, orders)]
+    planner = Planner(plans, placement, protected=protected, durable=durable)
+    for ti, tier in enumerate(tiers):     # blocks a tier held before we started
+        for key, _owner, nbytes in tier.iter_owners():
+            planner.adopt(key, ti, nbytes)
+    return planner
+
+
+def _outcomes_by_key(done: Applied) -> dict[BlockKey, dict[int, PutOutcome]]:
+    by_key: dict[BlockKey, dict[int, PutOutcome]] = {}
+    for (key, t), outcome in done.outcomes.items():
+        by_key.setdefault(key, {})[t] = outcome
+    return by_key

@@ -74,10 +74,15 @@ class PlacementPolicy(Protocol):
     def on_hit(self, key: Key, tier: int) -> int | None:
         """A block was read from ``tier``: a faster tier to promote it to, or ``None``."""
 
-    def prefetch_targets(self, keys: Sequence[Key]) -> list[tuple[Key, int]]:
-        """Blocks worth moving up ahead of use, as ``(key, target tier)``."""
-
     def stats(self) -> dict: ...
+
+
+@runtime_checkable
+class ModelsReuse(Protocol):
+    """A placement that orders the tiers below the first itself, over its own
+    reuse model (:meth:`~.regime.RegimePlacement.make_order`)."""
+
+    def make_order(self, tier: str) -> EvictionPolicy: ...
 
 
 def tier_index(tiers: Sequence[str], name: str) -> int | None:

@@ -14,10 +14,10 @@ per touch for no ordering LRU cannot express with an OrderedDict).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Container, Hashable, Iterator
+from typing import Callable, Container, Hashable, Iterator, Sequence
 
 from kvstore.errors import ConfigError
-from kvstore.policies.base import Key
+from kvstore.policies.base import EvictionPolicy, Key, ModelsReuse
 
 
 class OrderPolicy:
@@ -362,3 +362,20 @@ def make_eviction(name: str) -> OrderPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ConfigError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None
+
+
+def tier_orders(placement: object, names: Sequence[str], *,
+                top: Callable[[], EvictionPolicy] = LRU,
+                lower: Callable[[], EvictionPolicy] | None = None) -> list[EvictionPolicy]:
+    """One eviction order per tier, fastest first: ``top()`` for the first
+    (HBM is the engine's own LRU cache: no policy reorders it); below it
+    ``lower()`` when given, else the placement's own order when it models
+    reuse (:class:`~.base.ModelsReuse`), else ``top()``. The store and the
+    replay both build their orders here."""
+    def below(name: str) -> EvictionPolicy:
+        if lower is not None:
+            return lower()
+        if isinstance(placement, ModelsReuse):
+            return placement.make_order(name)
+        return top()
+    return [top() if i == 0 else below(n) for i, n in enumerate(names)]

@@ -38,9 +38,6 @@ class _Base:
     def on_hit(self, key: Hashable, tier: int) -> int | None:
         return 0 if tier > 0 else None
 
-    def prefetch_targets(self, keys: Sequence[Hashable]) -> list[tuple[Hashable, int]]:
-        return []
-
     def stats(self) -> dict:
         return {"placement": self.name, "tiers": list(self.tiers)}
 

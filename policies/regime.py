@@ -457,13 +457,6 @@ class RegimePlacement:
         self._counts["promotions"] += 1
         return self._hbm
 
-    def prefetch_targets(self, keys: Sequence[Hashable]) -> list[tuple[Hashable, int]]:
-        """In DRAM / SPILL regimes, the caller should stage a request's blocks
-        found in L3 into DRAM (the store checks where each key lives)."""
-        if self.regime < Regime.DRAM or self._dram is None:
-            return []
-        return [(k, self._dram) for k in keys]
-
     def stats(self) -> dict:
         return {"regime": self.regime.name, "working_set_tokens": self._last_ws,
                 "thresholds": list(self.thresholds), "mode": self.config.mode,

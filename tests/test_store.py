@@ -113,7 +113,9 @@ def test_pinned_blocks_are_never_evicted(run):
     s.unpin(KEYS[:4])
 
 
-def test_a_pin_keeps_a_block_on_nvme_through_fifo_eviction(run, tmp_path):
+def test_a_pin_keeps_a_block_on_nvme_through_eviction(run, tmp_path):
+    """The planner evicts NVMe by the policy's order (LRU here) and never a
+    pinned block; once the lease ends the block is evictable again."""
     keys = block_keys(ID, list(range(16 * 40)))
     rec = BB + HEADER_BYTES
     now = [0.0]
@@ -127,8 +129,8 @@ def test_a_pin_keeps_a_block_on_nvme_through_fifo_eviction(run, tmp_path):
     dst = np.zeros(BB, np.uint8)
     assert run(s.aget_into(ID, keys[:1], [dst])) == [None] and np.array_equal(dst, block(0))
     assert run(s.alookup(keys[2:3])).reasons == [MissReason.EVICTED]   # newer ones went instead
-    now[0] = 11.0                                                # the lease expired: FIFO again
-    for i in range(20, 24):
+    now[0] = 11.0                                                # the lease expired
+    for i in range(20, 30):                                      # more than the tier's budget
         run(s.aput(ID, [keys[i]], [block(i)]))
     assert run(s.alookup(keys[:1])).reasons == [MissReason.EVICTED]
     assert s.snapshot()["tiers"]["nvme"]["tier"]["pinned_evicted_segments"] == 0
@@ -286,7 +288,8 @@ def test_regime_placement_orders_the_lower_tiers(run):
 
     s = TieredStore([dram(4, "hbm"), dram(16)], placement=RegimePlacement(["hbm", "dram"]))
     # HBM keeps the engine's own LRU; below it the policy's segment order
-    assert isinstance(s._order[1], SegmentLRU) and not isinstance(s._order[0], SegmentLRU)
+    orders = [t.order for t in s.planner.tiers]
+    assert isinstance(orders[1], SegmentLRU) and not isinstance(orders[0], SegmentLRU)
     assert run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)])) == [PutOutcome.STORED] * 3
     assert run(s.alookup(KEYS[:3])).prefix_blocks == 3
 
@@ -403,3 +406,38 @@ def test_a_durable_put_the_disk_refuses_leaves_no_copy_behind(run, tmp_path):
     assert run(s.tiers[0].contains_many(keys[4:6])) == [False, False]
     assert run(s.alookup(keys[:4])).prefix_blocks == 4
     run(s.aclose())
+
+
+def test_mixed_block_sizes_in_a_slab_that_fragments(run):
+    """The planner counts bytes, the DRAM slab counts pages per size class:
+    a block the planner believes fits can find no page of its class. The
+    tier's refusal makes the planner evict more and retry; nothing is lost
+    and the planner's map stays what the tier holds."""
+    small = CacheIdentity("test/model", KVLayout(2, 2, 32, 8, dtype="float16"))    # 4 KiB
+    large = CacheIdentity("test/model", KVLayout(2, 2, 32, 32, dtype="float16"))   # 16 KiB
+    k_small, k_large = block_keys(small, TOKENS[:8]), block_keys(large, TOKENS[:32])
+    payload = np.random.default_rng(7).integers(0, 256, large.layout.block_bytes, dtype=np.uint8)
+    s = TieredStore([DramTier(DramConfig(capacity_bytes=4 * BB, page_bytes=2 * BB, pinned="no"))])
+    assert run(s.aput(small, k_small, [block(0)[:small.layout.block_bytes]])) == [PutOutcome.STORED]
+    assert run(s.aput(ID, KEYS[:1], [block(1)])) == [PutOutcome.STORED]
+    # bytes say 4 + 8 + 16 KiB fit in 32 KiB; pages say each page already has a class
+    assert not s.tiers[0].fits(BlockSpec.of(large))
+    assert run(s.aput(large, k_large, [payload])) == [PutOutcome.STORED]
+    assert s.stats.tiers["dram"].refused == 1 and s.stats.tiers["dram"].evictions >= 1
+    got = np.zeros(large.layout.block_bytes, np.uint8)
+    assert run(s.aget_into(large, k_large, [got])) == [None]
+    assert np.array_equal(got, payload)
+    for a in s.audit():
+        assert a.planned == a.held and a.lost == 0
+
+
+def test_audit_sees_a_block_a_tier_dropped_behind_the_planner(run):
+    s = TieredStore([dram(4)])
+    run(s.aput(ID, KEYS[:3], [block(i) for i in range(3)]))
+    run(s.tiers[0].delete_many([KEYS[1]]))          # fault: the tier forgets one
+    (a,) = s.audit()
+    assert a.name == "dram" and a.kind == "DramTier"
+    assert a.planned - a.held == {KEYS[1]} and a.held <= a.planned
+    assert run(s.alookup(KEYS[:3])).prefix_blocks == 1   # lookup reconciles ...
+    (a,) = s.audit()
+    assert a.planned == a.held                           # ... and the planner forgets it

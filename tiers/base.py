@@ -28,7 +28,7 @@ import numpy as np
 from kvstore.errors import BlockNotFound, InvalidBlock
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.record import BlockSpec, RecordHeader, as_bytes_view, check_size
+from kvstore.record import HEADER_BYTES, BlockSpec, RecordHeader, as_bytes_view, check_size
 
 
 @runtime_checkable
@@ -42,8 +42,11 @@ class Tier(Protocol):
     def capacity_bytes(self) -> int: ...
     @property
     def used_bytes(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
     def fits(self, spec: BlockSpec, count: int = 1) -> bool: ...
     def admits(self, spec: BlockSpec) -> bool: ...
+    def footprint(self, nbytes: int) -> int | None: ...
     def iter_keys(self) -> Iterator[BlockKey]: ...
     def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]: ...
     def drain_evicted(self) -> list[BlockKey]: ...
@@ -97,6 +100,19 @@ class TierOps:
         False for a block larger than the tier's unit of space: the store then
         skips the tier (and evicts nothing for it) instead of failing the put."""
         return spec.nbytes <= self.capacity_bytes  # type: ignore[attr-defined]
+
+    @property
+    def budget_bytes(self) -> int:
+        """The bytes the store's planner fills before it evicts: all of
+        ``capacity_bytes``, unless the tier needs room of its own (NVMe)."""
+        return self.capacity_bytes  # type: ignore[attr-defined]
+
+    def footprint(self, nbytes: int) -> int | None:
+        """The bytes of ``capacity_bytes`` one block of ``nbytes`` takes here
+        (the planner budgets a tier with it), or None if it can never be
+        stored here. Default: its record, header included."""
+        need = HEADER_BYTES + nbytes
+        return need if need <= self.capacity_bytes else None  # type: ignore[attr-defined]
 
     async def put(self: Tier, spec: BlockSpec, key: BlockKey, payload: object) -> PutOutcome:
         return (await self.put_many(spec, [key], [payload]))[0]

@@ -21,7 +21,7 @@ from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import BlockSpec, RecordHeader, check_layout, make_header
 from kvstore.tiers.base import TierOps, check_batch
-from kvstore.tiers.slab import SlabAllocator
+from kvstore.tiers.slab import SlabAllocator, slot_size
 
 DEFAULT_PAGE_BYTES = 64 << 20
 
@@ -68,6 +68,15 @@ class DramTier(TierOps):
         """A block must fit one arena page (``page_bytes``); a larger one goes
         to the next tier (the store skips this one for it)."""
         return self._alloc.admits(spec.nbytes)
+
+    def footprint(self, nbytes: int) -> int | None:
+        """A slot's share of its page: with one block size, ``capacity_bytes``
+        over this is the slots the arena holds (rounded up, so the planner
+        never counts a slot the slab does not have)."""
+        if not self._alloc.admits(nbytes):
+            return None
+        per_page = self._alloc.page_bytes // slot_size(nbytes)
+        return -(-self._alloc.page_bytes // per_page)
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))

@@ -202,6 +202,13 @@ class HbmTier(TierOps):
         """One block size per arena: the first put cuts the slots."""
         return self.fits(spec, 1) if not self._block else spec.nbytes == self._block
 
+    def footprint(self, nbytes: int) -> int | None:
+        """One slot; None for a second block size (the arena has one)."""
+        if self._block and nbytes != self._block:
+            return None
+        slot = slot_bytes_for(nbytes)
+        return slot if slot <= self.config.capacity_bytes else None
+
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
 

@@ -45,7 +45,11 @@ Rules that keep it correct:
   including appends in flight) and never exceeds ``capacity_bytes``. When
   a put needs room the oldest segment is evicted whole (FIFO by segment,
   no per-block bookkeeping on the hot path); its live keys are handed out
-  by :meth:`NvmeTier.drain_evicted`. A segment holding a pinned block (see
+  by :meth:`NvmeTier.drain_evicted`. Under a store this is the fallback:
+  the store's planner evicts by its policy to keep the live frames under
+  ``budget_bytes`` (deletes: tombstones and dead bytes), and compaction
+  starts early under space pressure (see ``_pressure``) so dead bytes are
+  reclaimed before a FIFO eviction would be needed. A segment holding a pinned block (see
   :meth:`NvmeTier.honour_pins`) is skipped for the next oldest one that
   can go without bringing an older record back on the next open: none of
   its tombstones still needed, none of its live keys with a dead put in
@@ -129,6 +133,7 @@ class NvmeConfig:
 
     path: str
     capacity_bytes: int
+    budget_bytes: int | None = None   # live bytes the store fills it with; None: 3/4 of capacity_bytes
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     durability: str = "none"          # none | fsync (fdatasync before a put is acknowledged)
     io_threads: int = 4
@@ -146,6 +151,11 @@ class NvmeConfig:
         if not self.path:
             raise ConfigError("NVMe path must not be empty")
         _int_at_least("capacity_bytes", self.capacity_bytes, MIN_CAPACITY_BYTES)
+        if self.budget_bytes is not None:
+            _int_at_least("budget_bytes", self.budget_bytes, 1)
+            if self.budget_bytes > self.capacity_bytes:
+                raise ConfigError(f"NVMe budget_bytes must be <= capacity_bytes ({self.capacity_bytes}), "
+                                  f"got {self.budget_bytes}")
         _int_at_least("segment_bytes", self.segment_bytes, 4096)
         _int_at_least("io_threads", self.io_threads, 1)
         _int_at_least("evicted_backlog", self.evicted_backlog, 0)
@@ -285,12 +295,12 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
             if not frozen:
                 os.pwrite(fd, pack_segment_header(framing), 0)
         if framing is None:   # no segment header, and no intact first record to recover its seal from
-            self.headless.append(name)
             if size <= SEGMENT_HEADER_BYTES and not frozen:   # created just before a crash: nothing in it
                 log.warning("%s: %s has no intact segment header (%d bytes); removed", self.name, path, size)
                 os.close(fd)
                 os.unlink(path)
-                return None
+                return None    # gone, so not a problem for check() to report
+            self.headless.append(name)
             # records may follow, but without the seal none can be trusted: kept, unread and
             # reported (kvstore check; --fix removes it), and evicted in its turn
             log.error("%s: %s has a damaged segment header and first record: its %d bytes cannot be "
@@ -468,6 +478,15 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def budget_bytes(self) -> int:
+        """The frames the store's planner keeps live here (it evicts by its
+        policy past that): by default 3/4 of the capacity, the rest holding
+        dead records and tombstones until compaction reclaims them, so the
+        tier's own FIFO eviction stays a fallback (see ``_pressure``)."""
+        budget = self.config.budget_bytes
+        return budget if budget is not None else self._capacity * 3 // 4
+
     def fits(self, spec: BlockSpec, count: int = 1) -> bool:
         """Whether ``count`` blocks fit without evicting anything."""
         return self._used + count * (FRAME_HEAD_BYTES + spec.nbytes) <= self._capacity
@@ -475,6 +494,12 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
     def admits(self, spec: BlockSpec) -> bool:
         """A record fits a segment of its own under capacity."""
         return SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES + spec.nbytes <= self._capacity
+
+    def footprint(self, nbytes: int) -> int | None:
+        """A frame (seal, header, payload); None if it cannot fit a segment."""
+        if SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES + nbytes > self._capacity:
+            return None
+        return FRAME_HEAD_BYTES + nbytes
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))

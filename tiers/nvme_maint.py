@@ -115,12 +115,25 @@ class NvmeMaintenance:
         except Exception:  # a background task has no caller to raise to
             log.exception("%s: background compaction failed", self.name)
 
+    def _pressure(self: "NvmeTier") -> bool:
+        """Space is short: less than two segments free. Compaction then takes
+        the sealed segments with the most dead bytes, whatever their live
+        share, so that the planner's deletes free room before the tier has to
+        evict a segment whole (FIFO) to fit a put."""
+        return self._used + 2 * self._seg_limit > self._capacity
+
     def _compaction_candidates(self: "NvmeTier") -> list[Segment]:
         """Sealed segments whose live records plus needed tombstones are below
-        ``compact_ratio`` of their size. Needed tombstones count as live: a
-        segment of them, compacted, would only be written again (the cycle
+        ``compact_ratio`` of their size (under pressure: any that frees an
+        eighth of a segment, emptiest first). Needed tombstones count as live:
+        a segment of them, compacted, would only be written again (the cycle
         that once filled the tier); it waits until its tombstones die."""
-        ratio = self.config.compact_ratio
+        pressed = self._pressure()
+        # Under pressure every rewrite must free a real share of a segment:
+        # a freshly compacted one is always a little short of full, and
+        # rewriting it again and again would never end.
+        least_freed = self._seg_limit // 8 if pressed else 0
+        ratio = 1.0 if pressed else self.config.compact_ratio
         out = []
         for s in self._segments.values():
             if s is self._active or s.writing or s.unreadable or not s.has_records:
@@ -129,8 +142,11 @@ class NvmeMaintenance:
                 continue
             self._prune_tombs(s)
             kept = s.live_bytes + FRAME_HEAD_BYTES * len(s.tombs)
-            if kept == 0 or kept < ratio * s.size:
+            if kept == 0 or (kept < ratio * s.size and s.size - kept >= least_freed):
                 out.append(s)
+        if pressed:
+            out.sort(key=lambda s: (s.live_bytes + FRAME_HEAD_BYTES * len(s.tombs)) / s.size)
+            return out[:1]   # one at a time: the pressure may be gone after it
         return out
 
     def _room_to_compact(self: "NvmeTier", seg: Segment) -> bool:

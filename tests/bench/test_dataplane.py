@@ -1,4 +1,5 @@
-"""The replay's data plane: simulator decisions executed on real tiers, bytes checked.
+"""The replay through a real store: the product decides on real tiers, bytes
+checked, and every request's hits compared with the planner-only replay.
 
 Real DRAM arenas, real NVMe segment files in a tmp dir, a real redis-server;
 mocks only inject faults (a tier that silently loses or corrupts blocks).
@@ -9,14 +10,15 @@ from dataclasses import replace
 
 import pytest
 
+from kvstore.bench.costmodel import make_cost_model
 from kvstore.bench.dataplane import (
     DataPlaneConfig,
     KeyMap,
-    ReplayDataPlane,
+    StoreReplay,
     make_data_plane_factory,
     payload_bytes,
 )
-from kvstore.bench.replay import ReplayConfig, load_requests, run_replay
+from kvstore.bench.replay import ReplayConfig, build_replay, load_requests, policy_setup, run_replay
 from kvstore.bench.trace import TraceRequest
 from kvstore.bench.workload import AgentWorkloadConfig
 from kvstore.errors import ConfigError
@@ -35,11 +37,11 @@ def reqs():
 
 def _assert_clean(dp: dict) -> None:
     assert dp["verified_blocks"] > 0
-    for k in ("wrong_blocks", "missing_blocks", "refused_blocks", "stale_blocks",
-              "tier_evicted_blocks", "protocol_errors", "end_state_extra_blocks",
-              "end_state_missing_blocks"):
+    for k in ("wrong_blocks", "missing_blocks", "refused_blocks", "diverged_requests",
+              "tier_evicted_blocks", "end_state_extra_blocks", "end_state_missing_blocks",
+              "end_state_unplanned_blocks"):
         assert dp[k] == 0, k
-    assert dp["ok"] is True
+    assert dp["first_divergence"] == -1 and dp["ok"] is True
 
 
 def test_replay_on_real_dram_and_nvme_tiers(reqs, tmp_path):
@@ -50,7 +52,8 @@ def test_replay_on_real_dram_and_nvme_tiers(reqs, tmp_path):
     without = run_replay(reqs, cfg)
     for name in ONLINE:
         a, b = with_dp["policies"][name], without["policies"][name]
-        assert a["hit_rate"] == b["hit_rate"] and a["hit_rate_by_tier"] == b["hit_rate_by_tier"]
+        if name != "regime":   # its frequency sketch hashes keys: trace ids and block keys collide apart
+            assert a["hit_rate"] == b["hit_rate"] and a["hit_rate_by_tier"] == b["hit_rate_by_tier"]
         dp = a["data_plane"]
         _assert_clean(dp)
         assert dp["block_bytes"] == 128 and set(dp["bytes_written"]) == set(a["hit_rate_by_tier"])
@@ -88,50 +91,61 @@ def _corrupting(tier, every: int):
     tier.get_into_many = get_into_many
 
 
-@pytest.mark.parametrize("fault,field", [(_lossy, "missing_blocks"), (_corrupting, "wrong_blocks")])
+# a lost block shortens a later prefix (the store's lookup asks the tier): the planners part
+@pytest.mark.parametrize("fault,field", [(_lossy, "diverged_requests"), (_corrupting, "wrong_blocks")])
 def test_a_tier_that_loses_or_corrupts_blocks_is_caught(reqs, tmp_path, fault, field):
     cfg = replace(CFG, policies=("lru",))
     base = make_data_plane_factory(cfg, nvme_path=str(tmp_path), hbm="dram")
 
-    def factory(policy, names):
-        dp = base(policy, names)
-        fault(dp.store.tiers[names.index("dram")], 5)
+    def factory(policy, setup, shadow):
+        dp = base(policy, setup, shadow)
+        fault(dp.store.tiers[setup.names.index("dram")], 5)
         return dp
     res = run_replay(reqs[:300], cfg, data_plane_factory=factory)
     dp = res["policies"]["lru"]["data_plane"]
     assert dp[field] > 0 and dp["ok"] is False
     clean = run_replay(reqs[:300], cfg, data_plane_factory=base)["policies"]["lru"]
-    assert clean["hit_rate"] == res["policies"]["lru"]["hit_rate"]   # decisions never change
+    plan_only = run_replay(reqs[:300], cfg)["policies"]["lru"]
+    assert clean["hit_rate"] == plan_only["hit_rate"]
     _assert_clean(clean["data_plane"])
 
 
-def _plane(tmp_path, tiers=(("hbm", 4), ("dram", 8))):
-    cfg = DataPlaneConfig(block_tokens=16, tier_blocks=tiers, nvme_path=str(tmp_path), hbm="dram")
-    return ReplayDataPlane(cfg, KeyMap(cfg.identity()), "unit", [n for n, _ in tiers])
+def _replay(tmp_path, tiers=(("hbm", 4), ("dram", 8)), policy="lru"):
+    dp_cfg = DataPlaneConfig(block_tokens=16, tier_blocks=tiers, nvme_path=str(tmp_path), hbm="dram")
+    cfg = ReplayConfig(hbm_tokens=16 * dict(tiers)["hbm"], dram_tokens=16 * dict(tiers).get("dram", 0),
+                       block_tokens=16, policies=(policy,))
+    cost = make_cost_model()
+    return StoreReplay(dp_cfg, KeyMap(dp_cfg.identity()), policy, policy_setup(policy, cfg, cost),
+                       build_replay(policy, cfg, cost))
 
 
-def test_operations_move_real_bytes_and_contradictions_are_counted(tmp_path):
-    dp = _plane(tmp_path)
-    dp.begin_request(TraceRequest(0.0, 48, 1, (1, 2, 3)))
-    dp.stored(1, 0), dp.stored(2, 0), dp.stored(3, 0)
-    dp.end_request()
-    dp.begin_request(TraceRequest(1.0, 32, 1, (1, 2)))
-    dp.loaded([1, 2], [0, 0])
-    dp.copied(1, 0, 1)            # demote 1: read from hbm, written to dram
-    dp.dropped(1, 0)
-    dp.stored(4, 1), dp.dropped(4, 1)   # stored and dropped in one request: never written
-    dp.end_request()
-    key1 = dp.keys[1][0]
-    assert dp._loop.run_until_complete(dp.store.tiers[1].get(dp.keys[1][1], key1)).tobytes() \
-        == payload_bytes(key1, 32)
-    dp.dropped(9, 1)              # never stored: the simulator contradicts itself
-    dp.end_request()
-    s = dp.close()
-    assert s["verified_blocks"] == 2 and s["protocol_errors"] == 1 and s["ok"] is False
-    assert s["bytes_written"] == {"hbm": 96, "dram": 32} and s["bytes_read"] == {"hbm": 64, "dram": 0}
-    assert s["end_state_extra_blocks"] == 0 and s["tiers"]["dram"]["blocks"] == 1
+def test_a_request_moves_real_bytes_through_the_store(tmp_path):
+    sr = _replay(tmp_path)
+    first = TraceRequest(0.0, 16 * 6, 1, (1, 2, 3, 4, 5, 6))
+    sr.begin_request(first)
+    assert sr.step(first.hash_ids, 0.0, 6).hit_tiers == []         # 6 blocks into a 4-block hbm
+    again = TraceRequest(1.0, 16 * 3, 1, (1, 2, 3))
+    sr.begin_request(again)
+    assert sr.step(again.hash_ids, 1.0, 3).hit_tiers == [1, 1, 0]   # 1, 2 were demoted to dram
+    key1 = sr.keys[1][0]
+    dram = sr.store.tiers[1]
+    assert sr._loop.run_until_complete(dram.get(sr.keys[1][1], key1)).tobytes() == payload_bytes(key1, 32)
+    s = sr.close()
+    _assert_clean(s)
+    assert s["verified_blocks"] == 3
+    assert s["bytes_read"] == {"hbm": 32, "dram": 64}
+    assert s["tiers"]["hbm"]["blocks"] == 4 and s["tiers"]["hbm"]["budget_bytes"] == 4 * 4096
     with pytest.raises(ConfigError):
-        dp.close()
+        sr.close()
+
+
+def test_a_step_needs_its_request_first(tmp_path):
+    sr = _replay(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match="begin_request"):
+            sr.step((1, 2), 0.0, 2)
+    finally:
+        sr.close()
 
 
 def test_keys_are_real_chained_keys_per_tenant():
@@ -150,8 +164,7 @@ def test_keys_are_real_chained_keys_per_tenant():
 
 @pytest.mark.parametrize("kwargs", [
     {"bytes_per_token": 0}, {"hbm": "gpu"}, {"tier_blocks": (("dram", 4),)},
-    {"tier_blocks": (("hbm", 4), ("redis", 4))}, {"redis_url": "redis://127.0.0.1:1/0"},
-    {"headroom": 0.5}])
+    {"tier_blocks": (("hbm", 4), ("redis", 4))}, {"redis_url": "redis://127.0.0.1:1/0"}])
 def test_config_is_validated(kwargs):
     base = {"block_tokens": 16, "tier_blocks": (("hbm", 4),)}
     with pytest.raises(ConfigError):

@@ -9,7 +9,7 @@ import pytest
 from kvstore.bench.costmodel import make_cost_model
 from kvstore.bench.replay import (
     ReplayConfig,
-    build_simulator,
+    build_replay,
     load_requests,
     oracle_followups,
     render_table,
@@ -29,7 +29,7 @@ CFG = ReplayConfig(hbm_tokens=60_000, dram_tokens=150_000, nvme_tokens=400_000, 
 
 
 def _decisions(policy, reqs, cfg):
-    sim = build_simulator(policy, cfg, make_cost_model(), record_events=True)
+    sim = build_replay(policy, cfg, make_cost_model(), record_events=True)
     return [(tuple(r.hit_tiers), tuple(r.events)) for r in
             (sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, cfg), q.followup) for q in reqs)]
 
@@ -56,49 +56,6 @@ def test_belady_reads_the_future():
     a = run_replay(reqs, cfg)["policies"]["belady"]["hit_rate"]
     b = run_replay(reqs[:t] + fake, cfg)["policies"]["belady"]
     assert b["hit_rate"] != a
-
-
-class MirrorPlane:
-    """A data plane that holds what it is told: must end equal to the simulator."""
-
-    def __init__(self, n):
-        self.tiers = [set() for _ in range(n)]
-        self.loads = 0
-
-    def stored(self, key, tier):
-        assert key not in self.tiers[tier]
-        self.tiers[tier].add(key)
-
-    def copied(self, key, src, dst):
-        assert key in self.tiers[src]
-        self.tiers[dst].add(key)
-
-    def dropped(self, key, tier):
-        self.tiers[tier].remove(key)
-
-    def loaded(self, keys, tiers):
-        assert all(k in self.tiers[t] for k, t in zip(keys, tiers))
-        self.loads += len(keys)
-
-
-def test_data_plane_mirrors_decisions_and_changes_nothing():
-    reqs = load_requests(workload=WL)
-    planes = {}
-
-    def factory(name, tiers):
-        planes[name] = MirrorPlane(len(tiers))
-        return planes[name]
-    with_dp = run_replay(reqs, replace(CFG, policies=("lru", "regime")), data_plane_factory=factory)
-    without = run_replay(reqs, replace(CFG, policies=("lru", "regime")))
-    for name in ("lru", "regime"):
-        assert with_dp["policies"][name]["hit_rate"] == without["policies"][name]["hit_rate"]
-        sim = build_simulator(name, CFG, make_cost_model())
-        for q in reqs:
-            sim.step(q.hash_ids, q.timestamp_ms / 1000, storable(q, CFG), q.followup)
-        for i, t in enumerate(sim.tiers):
-            assert planes[name].tiers[i] == {k for k in planes[name].tiers[i] if k in t.order}
-            assert len(planes[name].tiers[i]) == len(t.order)
-        assert planes[name].loads > 0
 
 
 def test_report_shape_json_plots_and_table(tmp_path):
@@ -146,7 +103,8 @@ def test_whole_mooncake_trace_replays_quickly():
 @pytest.mark.slow
 def test_whole_mooncake_trace_with_the_data_plane_under_five_minutes(tmp_path):
     """Issue 5's goal with real tiers: all five policies, 512-token blocks at
-    2 B/token, HBM 100K / DRAM 500K / NVMe 1.4M tokens; every block checked."""
+    2 B/token, HBM 100K / DRAM 500K / NVMe 1.4M tokens; every block checked,
+    every request's hits the planner-only replay's (on the same keys)."""
     from kvstore.bench.dataplane import make_data_plane_factory
     if not MOONCAKE.exists():
         pytest.fail(f"shared trace missing: {MOONCAKE}")
@@ -160,8 +118,9 @@ def test_whole_mooncake_trace_with_the_data_plane_under_five_minutes(tmp_path):
         if name == "belady":
             continue
         assert p["data_plane"]["ok"] and p["data_plane"]["verified_blocks"] > 0, name
-        if name in plain["policies"]:
-            assert p["hit_rate"] == plain["policies"][name]["hit_rate"]
+        assert p["data_plane"]["diverged_requests"] == 0, name
+    # keyed by trace ids, the regime's frequency sketch collides apart from block keys: lru only
+    assert res["policies"]["lru"]["hit_rate"] == plain["policies"]["lru"]["hit_rate"]
 
 
 def test_oracle_followups_mark_requests_a_later_one_extends():

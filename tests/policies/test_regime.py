@@ -56,7 +56,6 @@ def test_decisions_per_regime():
     p.regime = Regime.DRAM
     assert p.on_evict("cold", 0) == 1 and p.on_evict("cold", 1) is None
     assert p.on_hit("x", 1) == 0 and p.on_hit("x", 0) is None
-    assert p.prefetch_targets(["a"]) == [("a", 1)]
     p.regime = Regime.SPILL
     assert p.on_evict("cold", 1) is None            # frequency filter guards NVMe
     assert p.on_evict("hot", 1) == 2 and p.on_evict("hot", 2) == 3
@@ -138,13 +137,15 @@ def test_spill_filter_compares_with_the_nvme_victim():
 
 
 def _model_ordered_decisions(reqs):
-    from kvstore.bench.simulate import SimTier, Simulator
-    from kvstore.policies.eviction import LRU
+    from kvstore.bench.simulate import PlanReplay
+    from kvstore.planner import Planner, TierPlan
+    from kvstore.policies.eviction import tier_orders
     caps = {"hbm": 8, "dram": 16, "nvme": 32}
     cfg = RegimeConfig(thresholds=(4, 8, 16), tokens_per_key=1, window_s=1000)
     p = RegimePlacement(list(caps), cfg, capacities=caps, clock=lambda: 0.0)
-    sim = Simulator([SimTier(n, c, LRU() if n == "hbm" else p.make_order(n))
-                     for n, c in caps.items()], p, record_events=True)
+    orders = tier_orders(p, list(caps))                 # HBM LRU, the model's order below
+    sim = PlanReplay(Planner([TierPlan(n, c, o, footprint=lambda nb: 1) for (n, c), o in zip(caps.items(), orders)],
+                             p), record_events=True)
     return [(tuple(r.hit_tiers), tuple(r.events))
             for r in (sim.step(keys, float(t)) for t, keys in enumerate(reqs))]
 
