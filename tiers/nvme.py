@@ -81,13 +81,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
-import stat
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, cast
 
 from kvstore.errors import ConfigError, TierUnavailable
@@ -95,21 +92,17 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import FLAG_TOMBSTONE, BlockSpec, RecordHeader, check_layout, make_header
 from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.nvme_config import NvmeConfig
+from kvstore.tiers.nvme_files import lock_dir, open_segment_file, read_worker
 from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
 from kvstore.tiers.nvme_space import NvmeSpace, _nothing_pinned
 from kvstore.tiers.nvme_tombs import NvmeTombstones, _is_tombstone
 from kvstore.tiers.segments import (
     FRAME_HEAD_BYTES,
     SEGMENT_HEADER_BYTES,
-    Framing,
     Segment,
-    pack_segment_header,
     parse_segment_name,
     pwritev_all,
-    read_framing,
-    read_record_into,
-    recover_framing,
-    scan_segment,
     start_writeback,
 )
 
@@ -118,69 +111,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 
-DEFAULT_SEGMENT_BYTES = 64 << 20
-MIN_CAPACITY_BYTES = 4096
 _WRITE_CHUNK = 2 << 20       # bytes per pwritev: checksummed just before, so still in cache
 _PAGE = 4096
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class NvmeConfig:
-    """NVMe tier settings. ``segment_bytes`` is capped at a quarter of the
-    capacity, so one FIFO eviction never drops more than 25% of the tier."""
-
-    path: str
-    capacity_bytes: int
-    budget_bytes: int | None = None   # live bytes the store fills it with; None: 3/4 of capacity_bytes
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
-    durability: str = "none"          # none | fsync (fdatasync before a put is acknowledged)
-    io_threads: int = 4
-    compact_ratio: float = 0.5        # rewrite a sealed segment whose live share falls below this
-    background_compaction: bool = True
-    evicted_backlog: int = 1 << 16    # evicted keys kept for drain_evicted(); older ones drop
-    name: str = "nvme"
-    read_only: bool = False           # inspect only (kvstore check): no truncation, eviction or writes
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "path", os.fspath(self.path))
-        except TypeError as exc:
-            raise ConfigError(f"NVMe path must be a path, got {self.path!r}") from exc
-        if not self.path:
-            raise ConfigError("NVMe path must not be empty")
-        _int_at_least("capacity_bytes", self.capacity_bytes, MIN_CAPACITY_BYTES)
-        if self.budget_bytes is not None:
-            _int_at_least("budget_bytes", self.budget_bytes, 1)
-            if self.budget_bytes > self.capacity_bytes:
-                raise ConfigError(f"NVMe budget_bytes must be <= capacity_bytes ({self.capacity_bytes}), "
-                                  f"got {self.budget_bytes}")
-        _int_at_least("segment_bytes", self.segment_bytes, 4096)
-        _int_at_least("io_threads", self.io_threads, 1)
-        _int_at_least("evicted_backlog", self.evicted_backlog, 0)
-        if self.durability not in ("none", "fsync"):
-            raise ConfigError(f"NVMe durability must be none or fsync, got {self.durability!r}")
-        if isinstance(self.compact_ratio, bool) or not isinstance(self.compact_ratio, (int, float)) \
-                or not 0.0 <= self.compact_ratio < 1.0:
-            raise ConfigError(f"compact_ratio must be in [0, 1), got {self.compact_ratio!r}")
-        if not isinstance(self.background_compaction, bool) or not isinstance(self.read_only, bool):
-            raise ConfigError("background_compaction and read_only must be bools")
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("name must be a non-empty string")
-
-
-def _int_at_least(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"NVMe {name} must be an int >= {low}, got {value!r}")
-
-
-def _lock_dir(fd: int, path: str, *, shared: bool) -> None:
-    """flock the directory itself: no lock file, so a read-only open writes nothing."""
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
 
 
 class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
@@ -201,7 +135,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
             os.makedirs(config.path, mode=0o700, exist_ok=True)
         self._dir_fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            _lock_dir(self._dir_fd, config.path, shared=config.read_only)
+            lock_dir(self._dir_fd, config.path, shared=config.read_only)
         except BaseException:
             os.close(self._dir_fd)
             raise
@@ -245,9 +179,13 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
                        if (sid := parse_segment_name(name)) is not None)
         for sid, name in found:
             self._next_id = sid + 1
-            seg = self._open_segment(sid, name)
-            if seg is None:
+            opened = open_segment_file(self.config, sid, name, self.counters, fsync=self._fsync)
+            self.foreign += [name] if opened.foreign else []
+            self.headless += [name] if opened.headless else []
+            if (seg := opened.segment) is None:
                 continue
+            for off, head in opened.records:
+                self._apply(seg, off, head)
             self._segments[sid] = seg
             self._used += seg.size
         if self.config.read_only:
@@ -259,71 +197,6 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         while self._used > self._capacity and self._segments:  # capacity shrank since last run
             self._evict(self._oldest())
         self._reclaim()
-
-    def _open_segment(self, sid: int, name: str) -> Segment | None:
-        """Open, check and scan one segment file; None if it is not one to use
-        (not a regular file, or created just before a crash: no segment header)."""
-        path = os.path.join(self.config.path, name)
-        ro = self.config.read_only
-        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK   # a FIFO named *.seg must not hang the open
-        fd = -1
-        try:
-            fd = os.open(path, (os.O_RDONLY if ro else os.O_RDWR) | flags)
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and not ro:
-                # a read-only file (or disk): its blocks are still served; nothing is
-                # appended to it, it is never truncated, and eviction may fail to unlink it
-                fd = os.open(path, os.O_RDONLY | flags)
-                frozen = True
-                log.warning("%s: %s is read-only (%s); serving it read-only", self.name, path, exc.strerror)
-            elif exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise
-        else:
-            frozen = ro
-        st = os.fstat(fd) if fd >= 0 else None
-        if st is None or not stat.S_ISREG(st.st_mode):
-            if fd >= 0:
-                os.close(fd)
-            self.foreign.append(name)
-            log.warning("%s: %s is not a regular file; left alone", self.name, path)
-            return None
-        size = st.st_size
-        framing = read_framing(fd, size)
-        if framing is None and (framing := recover_framing(fd, size)) is not None:
-            log.warning("%s: %s had a damaged segment header; its seal was recovered from the first "
-                        "record%s", self.name, path, "" if frozen else " and the header rewritten")
-            if not frozen:
-                os.pwrite(fd, pack_segment_header(framing), 0)
-        if framing is None:   # no segment header, and no intact first record to recover its seal from
-            if size <= SEGMENT_HEADER_BYTES and not frozen:   # created just before a crash: nothing in it
-                log.warning("%s: %s has no intact segment header (%d bytes); removed", self.name, path, size)
-                os.close(fd)
-                os.unlink(path)
-                return None    # gone, so not a problem for check() to report
-            self.headless.append(name)
-            # records may follow, but without the seal none can be trusted: kept, unread and
-            # reported (kvstore check; --fix removes it), and evicted in its turn
-            log.error("%s: %s has a damaged segment header and first record: its %d bytes cannot be "
-                      "read", self.name, path, size)
-            seg = Segment(sid, path, fd, Framing(None), size)
-            seg.frozen = seg.unreadable = True
-            return seg
-        res = scan_segment(fd, size, framing)
-        if res.end < size and not frozen:  # a torn tail: an append the crash cut short
-            os.ftruncate(fd, res.end)
-            if self._fsync:
-                os.fsync(fd)
-            self.counters.torn_bytes += size - res.end
-            log.warning("%s: truncated %d torn bytes at the end of %s", self.name, size - res.end, name)
-        for start, end in res.skipped:
-            self.counters.skipped_bytes += end - start
-            log.warning("%s: skipped %d unreadable bytes at %s:%d", self.name, end - start, name, start)
-        # read-only: the torn tail stays, and is counted, so check() reports it
-        seg = Segment(sid, path, fd, framing, size if frozen else res.end)
-        seg.frozen = frozen and not ro
-        for off, head in res.records:
-            self._apply(seg, off, head)
-        return seg
 
     def _apply(self, seg: Segment, off: int, head: RecordHeader) -> None:
         """Replay one scanned record: the latest record of a key wins."""
@@ -354,6 +227,36 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         whose caller is cancelled, may still land, and later tombstones of the
         key must hide it.
         """
+        places, groups = self._reserve_all(items, keep_pins)
+
+        def release() -> None:   # the workers are done (even if the caller was cancelled)
+            for seg, _, _ in groups:
+                seg.unpin()
+        try:
+            done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
+                                       for seg, off, idx in groups], release)
+        finally:
+            # "writing" lasts until the caller has the results: it indexes them
+            # before its next await, so no segment looks empty in between
+            for seg, _, _ in groups:
+                seg.writing -= 1
+        out: list[_Loc | BaseException | None] = [p if isinstance(p, OSError) else None for p in places]
+        for (seg, _, idx), res in zip(groups, done):
+            for n, i in enumerate(idx):
+                out[i] = res if isinstance(res, BaseException) else \
+                    _Loc(seg, cast(tuple[Segment, int], places[i])[1], cast(list[RecordHeader], res)[n])
+            if isinstance(res, BaseException):   # its puts stay buried: they may have reached the disk
+                self.counters.write_errors += 1
+                log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
+        return out
+
+    def _reserve_all(self, items: Sequence[tuple[BlockKey, RecordHeader | None, object, BlockSpec | None]],
+                     keep_pins: bool) -> tuple[list[tuple[Segment, int] | OSError | None],
+                                               list[tuple[Segment, int, list[int]]]]:
+        """``_append``'s first half, with no await: each item's place (or the
+        error, or None for no space), and the items grouped into runs that
+        are contiguous in one segment (each group's segment pinned and
+        marked writing until ``_append`` is done with it)."""
         places: list[tuple[Segment, int] | OSError | None] = []
         groups: list[tuple[Segment, int, list[int]]] = []
         end = -1  # offset just past the current group: the next item joins it if it lands there
@@ -382,27 +285,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
                 seg.writing += 1
                 groups.append((seg, off, [i]))
             end = off + size
-
-        def release() -> None:   # the workers are done (even if the caller was cancelled)
-            for seg, _, _ in groups:
-                seg.unpin()
-        try:
-            done = await self._run_io([(self._write_group, (seg, off, [items[i] for i in idx]))
-                                       for seg, off, idx in groups], release)
-        finally:
-            # "writing" lasts until the caller has the results: it indexes them
-            # before its next await, so no segment looks empty in between
-            for seg, _, _ in groups:
-                seg.writing -= 1
-        out: list[_Loc | BaseException | None] = [p if isinstance(p, OSError) else None for p in places]
-        for (seg, _, idx), res in zip(groups, done):
-            for n, i in enumerate(idx):
-                out[i] = res if isinstance(res, BaseException) else \
-                    _Loc(seg, cast(tuple[Segment, int], places[i])[1], cast(list[RecordHeader], res)[n])
-            if isinstance(res, BaseException):   # its puts stay buried: they may have reached the disk
-                self.counters.write_errors += 1
-                log.error("%s: write to segment %s failed: %s", self.name, seg.path, res)
-        return out
+        return places, groups
 
     async def _run_io(self, calls: list[tuple[Callable[..., Any], tuple]], release: Callable[[], None]
                       ) -> list[Any]:
@@ -616,7 +499,7 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         def release() -> None:
             for loc, _ in reads:
                 loc.seg.unpin()
-        await self._run_io([(_read_worker, (queue, results))] * min(self.config.io_threads, len(jobs)),
+        await self._run_io([(read_worker, (queue, results))] * min(self.config.io_threads, len(jobs)),
                            release)
         return results
 
@@ -710,10 +593,3 @@ class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):
         self._check_open()
         if self.config.read_only:
             raise ConfigError(f"{self.name} tier at {self.config.path} is open read-only")
-
-
-def _read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, Framing, memoryview]],
-                 results: list[bool]) -> None:
-    """Worker: take reads from the shared queue until it is empty."""
-    for i, fd, off, head, framing, dst in queue:
-        results[i] = read_record_into(fd, off, head, framing, dst)

@@ -50,21 +50,22 @@ after every outage the tier resyncs its ledger with what the server holds
 (a restarted server may have lost everything), so the ledger never counts
 bytes it cannot evict.
 
+Layout. This module is the tier: data path, ledger, resync. Connections,
+breakers, bounded attempts and per-node dispatch are its
+:class:`~kvstore.tiers.redis_link.RedisLink`; RESP framing, the breaker and
+the ledger are in :mod:`~kvstore.tiers.redis_wire`; the config in
+:mod:`~kvstore.tiers.redis_config`.
+
 Threading: all methods are coroutines for one event loop; not thread-safe.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
-from urllib.parse import urlparse
+from typing import cast
 
-import redis.asyncio as aredis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from kvstore.errors import ConfigError, CorruptRecord, LayoutMismatch
@@ -80,111 +81,21 @@ from kvstore.record import (
 )
 from kvstore.tiers import compress
 from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.redis_config import RedisConfig, RedisCounters
+from kvstore.tiers.redis_link import RedisLink
 from kvstore.tiers.redis_wire import (
     DOWN,
     FOREIGN,
     NET_ERRORS,
-    REDIRECT,
-    Breaker,
-    ErrorReply,
-    FramingError,
     Ledger,
-    RawConnection,
-    classify_error,
-    command,
     get_frame,
     put_reply,
     read_record,
-    read_small,
     set_frames,
 )
 
 log = logging.getLogger(__name__)
 SCAN_BATCH = 512
-
-@dataclass(frozen=True, slots=True)
-class RedisConfig:
-    """Configuration of one Redis (or Redis Cluster) tier. Validated on construction.
-
-    ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS).
-    ``password`` / ``username`` override the URL's (kept out of ``repr``).
-    ``cluster``: talk to a Redis Cluster through any one seed node in ``url``.
-    ``parallel``: connections one batch is spread over; ``pipeline_blocks``:
-    blocks per pipelined round trip on one connection.
-    """
-
-    url: str = "redis://127.0.0.1:6379/0"
-    capacity_bytes: int = 1 << 30
-    prefix: str = "kvs:"
-    cluster: bool = False
-    ttl_s: float | None = None
-    compression: str = "none"
-    max_connections: int = 32
-    parallel: int = 2
-    pipeline_blocks: int = 16
-    socket_timeout_s: float = 0.5      # one round trip (plus its bytes at min_bandwidth)
-    connect_timeout_s: float = 0.25
-    min_bandwidth: float = 100e6       # bytes/s: a bulk round trip may take its size at this rate
-    retries: int = 1
-    backoff_base_s: float = 0.01
-    down_backoff_cap_s: float = 0.5
-    rescan_on_open: bool = True
-    raw_sockets: bool = True  # False: data path over redis-py's streams (always for rediss://)
-    name: str = "redis"
-    username: str | None = field(default=None, repr=False)
-    password: str | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        parsed = urlparse(self.url) if isinstance(self.url, str) else None
-        if parsed is None or parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ConfigError(f"url must be redis:// or rediss://host:port, got {self.url!r}")
-        if self.cluster and parsed.path not in ("", "/", "/0"):
-            raise ConfigError("Redis Cluster has only database 0")
-        if not isinstance(self.prefix, str) or not self.prefix or any(
-                c.isspace() or c in "{}*?[]" for c in self.prefix):
-            # braces would make a hash tag (every block on one cluster slot);
-            # glob characters would break the SCAN pattern of drop_namespace.
-            raise ConfigError(f"prefix must be non-empty, without spaces, braces or glob "
-                              f"characters, got {self.prefix!r}")
-        for name in ("capacity_bytes", "max_connections", "parallel", "pipeline_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
-            raise ConfigError(f"retries must be an int in [0, 10], got {self.retries!r}")
-        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_base_s",
-                     "down_backoff_cap_s", "min_bandwidth"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if self.down_backoff_cap_s > 1.0:
-            raise ConfigError("down_backoff_cap_s must be <= 1 s (reconnect promptly)")
-        if self.ttl_s is not None and (not isinstance(self.ttl_s, (int, float))
-                                       or isinstance(self.ttl_s, bool) or self.ttl_s < 0.001):
-            raise ConfigError(f"ttl_s must be None or >= 0.001, got {self.ttl_s!r}")
-        compress.check_codec(self.compression)
-        if self.parallel > self.max_connections:
-            raise ConfigError("parallel must not exceed max_connections")
-
-    @property
-    def ttl_ms(self) -> int | None:
-        return None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
-
-
-@dataclass(slots=True)
-class RedisCounters:
-    """Counters since the tier was made (mutable; read them, don't write)."""
-
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    unavailable: int = 0
-    stored: int = 0
-    exists: int = 0
-    no_space: int = 0
-    redirects: int = 0
-    reconnects: int = 0
-
 
 class RedisTier(TierOps):
     """The L3 tier over one Redis server or a Redis Cluster. See the module docstring.
@@ -205,13 +116,9 @@ class RedisTier(TierOps):
         self.config = config
         self.name = config.name
         self.counters = RedisCounters()
-        self._clock, self._sleep = clock, sleep
         self._ledger = Ledger(clock)
-        self._breakers: dict[str, Breaker] = {}
-        self._client: aredis.Redis | RedisCluster | None = None
-        self._ready_ok = False
-        self._raw_sockets = config.raw_sockets and urlparse(config.url).scheme == "redis"
-        self._idle: dict[str, list[RawConnection]] = {}  # node name -> idle raw connections
+        self._link = RedisLink(config, self.counters, clock=clock, sleep=sleep,
+                               on_reconnect=self._after_outage)
         self._unlink_owed: set[BlockKey] = set()   # UNLINKs that failed: counted until done
         self._resync_task: asyncio.Task | None = None
 
@@ -245,206 +152,6 @@ class RedisTier(TierOps):
 
     def _name(self, key: BlockKey) -> bytes:
         return storage_name(self.config.prefix, key).encode()
-
-    # -- connections -------------------------------------------------------
-    def _make_client(self) -> aredis.Redis | RedisCluster:
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        c = self.config
-        kwargs: dict = {"socket_timeout": c.socket_timeout_s,
-                        "socket_connect_timeout": c.connect_timeout_s, "protocol": 2,
-                        "max_connections": c.max_connections,
-                        "retry": Retry(NoBackoff(), 0)}  # the tier retries, with backoff
-        if c.username is not None:
-            kwargs["username"] = c.username
-        if c.password is not None:
-            kwargs["password"] = c.password
-        if c.cluster:
-            return RedisCluster.from_url(c.url, **kwargs)
-        return aredis.Redis.from_url(c.url, **kwargs)
-
-    def _breaker(self, node: Any) -> Breaker:
-        return self._breaker_named(getattr(node, "name", "server"))
-
-    def _breaker_named(self, key: str) -> Breaker:
-        b = self._breakers.get(key)
-        if b is None:
-            b = self._breakers[key] = Breaker(self._clock, self.config.backoff_base_s,
-                                               self.config.down_backoff_cap_s)
-        return b
-
-    async def _ready(self) -> aredis.Redis | RedisCluster | None:
-        """The client, its cluster slot map loaded; None while unreachable."""
-        if self._client is None:
-            self._client = self._make_client()
-        if self._ready_ok or not self.config.cluster:
-            return self._client
-        breaker = self._breaker_named("cluster-init")
-        if not breaker.allow():
-            return None
-        try:
-            await self._client.initialize()
-        except NET_ERRORS as exc:
-            breaker.failure()
-            log.warning("redis tier: cluster unreachable: %s", exc)
-            return None
-        breaker.success()
-        self._ready_ok = True
-        return self._client
-
-    @contextlib.asynccontextmanager
-    async def _connection(self, node: Any):
-        """Yield ``(reader, writer)`` for raw frames to ``node`` (None: the single server).
-
-        ``redis://``: a pooled :class:`RawConnection` (no stream copies), made
-        with the host, port, db and credentials redis-py parsed from the URL.
-        ``rediss://``: a pooled redis-py connection's streams (redis-py does
-        TLS). A connection that saw an error is closed: it may hold half a reply.
-        """
-        if self._raw_sockets:
-            conn = await self._raw_acquire(node)
-            try:
-                yield conn, conn
-            except BaseException:
-                conn.close()
-                for stale in self._idle.pop(getattr(node, "name", ""), []):
-                    stale.close()  # the server likely dropped its siblings too
-                raise
-            finally:
-                if not conn.broken:
-                    self._idle.setdefault(getattr(node, "name", ""), []).append(conn)
-            return
-        if node is None:
-            pool = self._single().connection_pool
-            conn = await pool.get_connection()
-        else:
-            conn = node.acquire_connection()
-        try:
-            if node is not None:
-                await conn.connect()
-            # asyncio pauses a socket once its stream buffers 2 x limit (64 KiB
-            # from redis-py): an epoll change per 128 KiB of a MiB reply.
-            conn._reader._limit = max(conn._reader._limit, 1 << 21)
-            yield conn._reader, conn._writer
-        except BaseException:
-            await conn.disconnect(nowait=True)
-            raise
-        finally:
-            if node is None:
-                await self._single().connection_pool.release(conn)
-            else:
-                node.release(conn)
-
-    def _single(self) -> aredis.Redis:
-        """The client of a single server (not a cluster), once made."""
-        assert isinstance(self._client, aredis.Redis)
-        return self._client
-
-    async def _raw_acquire(self, node: Any) -> RawConnection:
-        idle = self._idle.get(getattr(node, "name", ""))
-        if idle:
-            return idle.pop()
-        kw = (node.connection_kwargs if node is not None
-              else self._single().connection_pool.connection_kwargs)
-        return await RawConnection.open(
-            kw["host"], int(kw["port"]), timeout=self.config.connect_timeout_s,
-            db=int(kw.get("db") or 0), username=kw.get("username"),
-            password=kw.get("password"))
-
-    async def _attempt(self, node: Any, work: Callable[[Any, Any], Awaitable[Any]], nbytes: int = 0) -> Any:
-        """Run ``work(reader, writer)`` on a connection to ``node``, within
-        ``socket_timeout_s`` + ``nbytes`` at ``min_bandwidth``; retried after a
-        fast failure, never after a timeout (see the module docstring).
-
-        Returns its result, or ``DOWN`` if the node stays unreachable (the
-        breaker then fails further calls fast until its backoff passes).
-        """
-        breaker = self._breaker(node)
-        if not breaker.allow():
-            return DOWN
-        c = self.config
-        bound = c.socket_timeout_s + nbytes / c.min_bandwidth
-        hung = False
-        for attempt in range(c.retries + 1):
-            try:
-                async with asyncio.timeout(bound):
-                    async with self._connection(node) as (reader, writer):
-                        result = await work(reader, writer)
-            except (TimeoutError, RedisTimeout) as exc:   # no answer in time: a retry would wait as long again
-                error, hung = exc, True
-                break
-            except (*NET_ERRORS, FramingError, ValueError) as exc:
-                error = exc
-                if attempt < c.retries:
-                    await self._sleep(c.backoff_base_s * 2 ** attempt)
-                continue
-            if breaker.success():
-                self.counters.reconnects += 1
-                self._after_outage()
-            return result
-        breaker.failure(hung=bound if hung else 0.0)
-        log.warning("redis tier %s: %s unreachable: %r", self.name,
-                    getattr(node, "name", c.url.split("@")[-1]), error)
-        return DOWN
-
-    async def _dispatch(self, names: Sequence[bytes], work: Callable,
-                        redo: Callable, item_bytes: Callable[[int], int] | None = None) -> list[object]:
-        """Run ``work(reader, writer, indices)`` per node and pipelined chunk.
-
-        ``redo(i)`` handles an item the cluster redirected (through redis-py,
-        which follows MOVED/ASK and refreshes its slot map). Items of an
-        unreachable node come back as ``DOWN``. ``item_bytes(i)``: the bytes
-        item ``i`` moves (what its chunk's time bound allows for).
-        """
-        results: list[object] = [DOWN] * len(names)
-        client = await self._ready()
-        if client is None or not names:
-            return results
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        for i, name in enumerate(names):
-            node = cast(RedisCluster, client).get_node_from_key(cast(str, name)) if self.config.cluster else None
-            groups.setdefault(getattr(node, "name", ""), (node, []))[1].append(i)
-        step = self.config.pipeline_blocks
-        gate = asyncio.Semaphore(self.config.parallel)
-
-        async def run(node: Any, idx: list[int]) -> None:
-            async with gate:
-                got = await self._attempt(node, lambda r, w: work(r, w, idx),
-                                          sum(map(item_bytes, idx)) if item_bytes else 0)
-            if got is DOWN:
-                return
-            for i, res in zip(idx, got):
-                if res is REDIRECT:
-                    self.counters.redirects += 1
-                    try:
-                        res = await redo(i)
-                    except NET_ERRORS:
-                        res = DOWN
-                results[i] = res
-
-        await asyncio.gather(*(run(node, idx[j:j + step])
-                               for node, idx in groups.values()
-                               for j in range(0, len(idx), step)))
-        return results
-
-    async def _small(self, names: Sequence[bytes], *args: bytes) -> list[object]:
-        """``COMMAND name *args`` per name, pipelined; small replies only."""
-        frames = [command(args[0], n, *args[1:]) for n in names]
-
-        async def work(reader, writer, idx):
-            writer.write(b"".join(frames[i] for i in idx))
-            await writer.drain()
-            out = []
-            for _ in idx:
-                reply = await read_small(reader)
-                out.append(classify_error(reply) if isinstance(reply, ErrorReply) else reply)
-            return out
-
-        async def redo(i):
-            return await self._client.execute_command(args[0].decode(), names[i], *args[1:])
-
-        return await self._dispatch(names, work, redo)
 
     # -- data path -------------------------------------------------------------
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
@@ -515,10 +222,10 @@ class RedisTier(TierOps):
 
         async def redo(j):
             record = header(j) + bytes(sends[j][3])
-            done = await self._client.set(sends[j][1], record, nx=True, px=ttl_ms)
+            done = await self._link.client.set(sends[j][1], record, nx=True, px=ttl_ms)
             return PutOutcome.STORED if done else PutOutcome.EXISTS
 
-        return await self._dispatch([s[1] for s in sends], work, redo, lambda j: sends[j][5])
+        return await self._link.dispatch([s[1] for s in sends], work, redo, lambda j: sends[j][5])
 
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
                             dsts: Sequence[object]) -> list[GetOutcome]:
@@ -539,14 +246,14 @@ class RedisTier(TierOps):
             return [await read_record(reader, spec, keys[i], views[i]) for i in idx]
 
         async def redo(i):
-            raw = await self._client.get(names[i])
+            raw = await self._link.client.get(names[i])
             reader = asyncio.StreamReader()
             reader.feed_data(b"$-1\r\n" if raw is None else
                              b"$%d\r\n%s\r\n" % (len(raw), raw))
             reader.feed_eof()
             return await read_record(reader, spec, keys[i], views[i])
 
-        results = await self._dispatch(names, work, redo, lambda i: HEADER_BYTES + spec.nbytes)
+        results = await self._link.dispatch(names, work, redo, lambda i: HEADER_BYTES + spec.nbytes)
         mismatch = next((r for r in results if isinstance(r, LayoutMismatch)), None)
         if mismatch is not None:
             raise mismatch
@@ -577,7 +284,7 @@ class RedisTier(TierOps):
     async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """EXISTS per key; False where the server is unreachable."""
         names = [self._name(k) for k in keys]
-        return [r == 1 for r in await self._small(names, b"EXISTS")]
+        return [r == 1 for r in await self._link.small(names, b"EXISTS")]
 
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """UNLINK per key (freed by the server in the background); False if
@@ -586,7 +293,7 @@ class RedisTier(TierOps):
         until :meth:`resync` unlinks it."""
         names = [self._name(k) for k in keys]
         out = []
-        for key, r in zip(keys, await self._small(names, b"UNLINK")):
+        for key, r in zip(keys, await self._link.small(names, b"UNLINK")):
             if r is DOWN:
                 if self._ledger.holds(key):
                     self._unlink_owed.add(key)
@@ -601,7 +308,7 @@ class RedisTier(TierOps):
         return await self._stat_names([self._name(k) for k in keys])
 
     async def _stat_names(self, names: Sequence[bytes]) -> list[RecordHeader | None]:
-        raws = await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
+        raws = await self._link.small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
         return [_header_or_none(raw) for raw in raws]
 
     # -- whole-tier operations ---------------------------------------------
@@ -610,8 +317,8 @@ class RedisTier(TierOps):
         A failure ends the scan with a warning, or (``strict``) raises. The
         server's breaker is asked first and told of a timeout, as for every
         other call: a hung server costs one SCAN round trip, not one per call."""
-        client = await self._ready()
-        breaker = self._breaker_named("cluster-scan" if self.config.cluster else "server")
+        client = await self._link.ready()
+        breaker = self._link.breaker_named("cluster-scan" if self.config.cluster else "server")
         if client is None or not breaker.allow():
             if strict:
                 raise ConnectionError("redis unreachable")
@@ -651,7 +358,7 @@ class RedisTier(TierOps):
         adopted = 0
         try:
             async for names in self._scan_names(strict=True):
-                raws = await self._small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
+                raws = await self._link.small(names, b"GETRANGE", b"0", b"%d" % (HEADER_BYTES - 1))
                 if any(r is DOWN for r in raws):
                     return seen, adopted, False
                 for name, raw in zip(names, raws):
@@ -718,7 +425,7 @@ class RedisTier(TierOps):
     async def ping(self) -> bool:
         """True if every node answers (breakers are not consulted)."""
         try:
-            client = await self._ready()
+            client = await self._link.ready()
             return client is not None and bool(await client.ping())
         except NET_ERRORS:
             return False
@@ -728,14 +435,7 @@ class RedisTier(TierOps):
         if self._resync_task is not None:
             self._resync_task.cancel()
             await asyncio.gather(self._resync_task, return_exceptions=True)
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
-        self._idle.clear()
-        if self._client is not None:
-            with contextlib.suppress(*NET_ERRORS):
-                await self._client.aclose()
-        self._client, self._ready_ok = None, False
+        await self._link.close()
 
 
 def _header_or_none(raw: object) -> RecordHeader | None:

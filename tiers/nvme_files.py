@@ -1,0 +1,125 @@
+"""The NVMe tier's files: the directory lock, opening one segment file on
+start (check its header and seal, scan its records, truncate a torn tail),
+and the read worker.
+
+Functions, not tier methods: what they need is passed in and what they
+find is returned (:class:`OpenedSegment`), so :class:`~kvstore.tiers.nvme.NvmeTier`
+only applies the result to its index.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvstore.errors import TierUnavailable
+from kvstore.record import RecordHeader
+from kvstore.tiers.nvme_config import NvmeConfig
+from kvstore.tiers.nvme_maint import NvmeCounters
+from kvstore.tiers.segments import (
+    SEGMENT_HEADER_BYTES,
+    Framing,
+    Segment,
+    pack_segment_header,
+    read_framing,
+    read_record_into,
+    recover_framing,
+    scan_segment,
+)
+
+log = logging.getLogger("kvstore.tiers.nvme")
+
+
+def lock_dir(fd: int, path: str, *, shared: bool) -> None:
+    """flock the directory itself: no lock file, so a read-only open writes nothing."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
+
+
+@dataclass
+class OpenedSegment:
+    """What opening one ``*.seg`` file found."""
+
+    segment: Segment | None = None     # None: not a segment to use
+    records: list[tuple[int, RecordHeader]] = field(default_factory=list)   # (offset, header), file order
+    foreign: bool = False              # not a regular file: left alone, reported
+    headless: bool = False             # no intact segment header: kept unread, reported
+
+
+def _open_fd(path: str, ro: bool, tier: str) -> tuple[int, bool]:
+    """``(fd, frozen)``; fd -1 for a name that is not a file one can open."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK   # a FIFO named *.seg must not hang the open
+    try:
+        return os.open(path, (os.O_RDONLY if ro else os.O_RDWR) | flags), ro
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and not ro:
+            # a read-only file (or disk): its blocks are still served; nothing is
+            # appended to it, it is never truncated, and eviction may fail to unlink it
+            log.warning("%s: %s is read-only (%s); serving it read-only", tier, path, exc.strerror)
+            return os.open(path, os.O_RDONLY | flags), True
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        return -1, ro
+
+
+def open_segment_file(config: NvmeConfig, sid: int, name: str, counters: NvmeCounters, *,
+                      fsync: bool) -> OpenedSegment:
+    """Open, check and scan one segment file. An empty file with no segment
+    header (created just before a crash) is removed; a torn tail is
+    truncated (and counted) unless the tier is read-only."""
+    path = os.path.join(config.path, name)
+    ro, tier = config.read_only, config.name
+    fd, frozen = _open_fd(path, ro, tier)
+    st = os.fstat(fd) if fd >= 0 else None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        if fd >= 0:
+            os.close(fd)
+        log.warning("%s: %s is not a regular file; left alone", tier, path)
+        return OpenedSegment(foreign=True)
+    size = st.st_size
+    framing = read_framing(fd, size)
+    if framing is None and (framing := recover_framing(fd, size)) is not None:
+        log.warning("%s: %s had a damaged segment header; its seal was recovered from the first "
+                    "record%s", tier, path, "" if frozen else " and the header rewritten")
+        if not frozen:
+            os.pwrite(fd, pack_segment_header(framing), 0)
+    if framing is None:   # no segment header, and no intact first record to recover its seal from
+        if size <= SEGMENT_HEADER_BYTES and not frozen:   # created just before a crash: nothing in it
+            log.warning("%s: %s has no intact segment header (%d bytes); removed", tier, path, size)
+            os.close(fd)
+            os.unlink(path)
+            return OpenedSegment()    # gone, so not a problem for check() to report
+        # records may follow, but without the seal none can be trusted: kept, unread and
+        # reported (kvstore check; --fix removes it), and evicted in its turn
+        log.error("%s: %s has a damaged segment header and first record: its %d bytes cannot be "
+                  "read", tier, path, size)
+        seg = Segment(sid, path, fd, Framing(None), size)
+        seg.frozen = seg.unreadable = True
+        return OpenedSegment(seg, headless=True)
+    res = scan_segment(fd, size, framing)
+    if res.end < size and not frozen:  # a torn tail: an append the crash cut short
+        os.ftruncate(fd, res.end)
+        if fsync:
+            os.fsync(fd)
+        counters.torn_bytes += size - res.end
+        log.warning("%s: truncated %d torn bytes at the end of %s", tier, size - res.end, name)
+    for start, end in res.skipped:
+        counters.skipped_bytes += end - start
+        log.warning("%s: skipped %d unreadable bytes at %s:%d", tier, end - start, name, start)
+    # read-only: the torn tail stays, and is counted, so check() reports it
+    seg = Segment(sid, path, fd, framing, size if frozen else res.end)
+    seg.frozen = frozen and not ro
+    return OpenedSegment(seg, list(res.records))
+
+
+def read_worker(queue: Iterator[tuple[int, int, int, RecordHeader, Framing, memoryview]],
+                results: list[bool]) -> None:
+    """Worker: take reads from the shared queue until it is empty."""
+    for i, fd, off, head, framing, dst in queue:
+        results[i] = read_record_into(fd, off, head, framing, dst)
