@@ -25,18 +25,31 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from prometheus_client import Histogram
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
 from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
+from kvstore.stats import LATENCY_BUCKETS
 
 log = logging.getLogger("kvstore.connectors")
 T = TypeVar("T")
+
+# In the engine process's default prometheus-client registry: whatever
+# exports that registry (the engine's own /metrics, or start_http_server)
+# shows how long its loads and saves took. One histogram for every
+# connector, observed where every store call passes (StoreGuard.call).
+STORE_CALL_SECONDS = Histogram(
+    "kvstore_connector_seconds",
+    "Time an engine connector's store call took (load: get, save: put), by connector, call and outcome.",
+    ["connector", "op", "outcome"], buckets=LATENCY_BUCKETS)
 
 
 def engine_logging() -> None:
@@ -272,12 +285,15 @@ class StoreGuard:
         self._seen: set[str] = set()
 
     def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
+        started = time.perf_counter()
         try:
-            return fn()
+            out, outcome = fn(), "ok"
         except Exception as exc:
             self.errors += 1
             self.warn_once(f"store {what}", exc, "treating as a miss")
-            return fallback
+            out, outcome = fallback, "error"
+        STORE_CALL_SECONDS.labels(self.name, what, outcome).observe(time.perf_counter() - started)
+        return out
 
     def warn_once(self, what: str, exc: Exception, then: str) -> None:
         """Log ``exc`` the first time this kind (``what`` + exception class)

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvstore.outcomes import MissReason
-from kvstore.store import LATENCY_BUCKETS
+from kvstore.stats import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from kvstore.daemon import Daemon

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from kvstore.outcomes import MissReason
 
 MAX_TENANTS = 1024
+# histogram buckets (seconds) of every latency kvstore exports: 100 us to 10 s
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(slots=True)

@@ -39,12 +39,10 @@ from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followu
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
-from kvstore.stats import StoreStats
+from kvstore.stats import LATENCY_BUCKETS, StoreStats
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                   1.0, 2.5, 5.0, 10.0)
 _GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
 
 

@@ -82,3 +82,34 @@ def test_in_process_pin_returns_the_ttl_it_granted():
         assert isinstance(store, Store)
         assert store.pin([BlockKey(b"k" * 16)], 30.0) == 30.0
         store.unpin([BlockKey(b"k" * 16)])
+
+
+def _connector_samples(name: str) -> dict[tuple[str, str, str], float]:
+    """The exposition of the default registry, read back with prometheus-client's
+    own parser: ``{(sample name, op, outcome): value}`` for one connector."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for s in fam.samples:
+            if fam.name == "kvstore_connector_seconds" and s.labels.get("connector") == name \
+                    and s.name.endswith(("_count", "_sum")):
+                out[(s.name, s.labels["op"], s.labels["outcome"])] = s.value
+    return out
+
+
+def test_every_store_call_of_a_connector_is_timed_in_the_default_registry():
+    """Loads and saves (and failures) land in kvstore_connector_seconds, as
+    the engine's own exporter would serve it."""
+    import time
+    guard = StoreGuard("metrics-test")
+    assert guard.call("get", lambda: time.sleep(0.02) or "hit", "miss") == "hit"
+
+    def broken():
+        raise TierUnavailable("down")
+    assert guard.call("put", broken, "fallback") == "fallback"
+    got = _connector_samples("metrics-test")
+    assert got[("kvstore_connector_seconds_count", "get", "ok")] == 1
+    assert got[("kvstore_connector_seconds_sum", "get", "ok")] >= 0.02
+    assert got[("kvstore_connector_seconds_count", "put", "error")] == 1
+    assert ("kvstore_connector_seconds_count", "put", "ok") not in got

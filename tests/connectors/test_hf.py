@@ -171,3 +171,19 @@ def test_identity_follows_the_model(model):
     assert ident.layout.block_bytes == 2 * 2 * BT * 2 * 32 * 4
     bf16 = identity_for_model(model, block_tokens=BT, model_revision="r1", dtype=torch.bfloat16)
     assert bf16.namespace != ident.namespace
+
+
+def test_loads_and_saves_of_a_real_model_are_timed(model, store, ident, saved_prompt):
+    from tests.connectors.test_common import _connector_samples
+    before = _connector_samples("hf")
+    pc = HFPrefixCache(store, ident, config=model.config)
+    ids = torch.cat([saved_prompt[:, :40], tokens(9, 40)], dim=1)
+    restored = pc.load(ids)
+    _, cache = prefill(model, ids[:, restored.num_tokens:], restored.cache)
+    pc.save(ids, cache, skip=restored.num_blocks)
+    after = _connector_samples("hf")
+    for op in ("get", "put"):
+        name = ("kvstore_connector_seconds_count", op, "ok")
+        assert after[name] - before.get(name, 0) >= 1, op
+        sums = ("kvstore_connector_seconds_sum", op, "ok")
+        assert after[sums] > before.get(sums, 0), op
