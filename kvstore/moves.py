@@ -29,6 +29,7 @@ Threading: runs on the store's event loop; see :class:`TieredStore`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +77,13 @@ class Executor:
         self.planner = planner
         self.stats = stats
         self._observe = observe
+        # blocks that plans being applied will write (their tiers count them
+        # from the plan on): another plan reading one there may find it not yet landed
+        self._writing: Counter[BlockKey] = Counter()
+
+    def writing(self, key: BlockKey) -> bool:
+        """Whether a plan being applied will still write ``key`` somewhere."""
+        return self._writing[key] > 0
 
     async def apply(self, moves: list[Move], have: dict[BlockKey, Held], *,
                     hold: Callable[[list[BlockKey]], object] = lambda keys: None,
@@ -87,6 +95,21 @@ class Executor:
         invalidated meanwhile is cancelled, never written back."""
         done = Applied()
         gone: set[BlockKey] = set()
+        mine = Counter(m.key for m in moves if m.kind is not Kind.DROP)
+        self._writing.update(mine)
+        try:
+            await self._rounds(moves, have, hold, fenced, done, gone, mine)
+        finally:
+            self._writing.subtract(mine)
+            for key in mine:
+                if self._writing[key] <= 0:
+                    del self._writing[key]
+        done.left = [k for k in gone if not self.planner.held_anywhere(k)]
+        return done
+
+    async def _rounds(self, moves: list[Move], have: dict[BlockKey, Held],
+                      hold: Callable[[list[BlockKey]], object], fenced: Callable[[bytes], bool],
+                      done: Applied, gone: set[BlockKey], mine: Counter[BlockKey]) -> None:
         for _ in range(_ROUNDS):
             if not moves:
                 break
@@ -97,16 +120,14 @@ class Executor:
                     if m.cause is Cause.EVICT:
                         self.stats.tier(self.tiers[m.tier].name).evictions += 1
             deletes, writes = net_effect(moves)
-            writes = await self._read(moves, writes, have, gone)
+            writes = await self._read(moves, writes, have, gone, mine)
             writes = self._unfenced(writes, have, fenced, gone)
             await self._delete(deletes)
             refused = await self._write(writes, have, done, gone)
             moves = [n for m, full in refused for n in self.planner.refused(m, full=full)]
-        done.left = [k for k in gone if not self.planner.held_anywhere(k)]
-        return done
 
     async def _read(self, moves: list[Move], writes: list[Move], have: dict[BlockKey, Held],
-                    gone: set[BlockKey]) -> list[Move]:
+                    gone: set[BlockKey], mine: Counter[BlockKey]) -> list[Move]:
         """Fetch the bytes ``writes`` need and nobody holds; the writes left
         (those whose bytes could not be read are cancelled)."""
         source: dict[BlockKey, int] = {}
@@ -128,7 +149,9 @@ class Executor:
             self.planner.cancel(m)
             gone.add(m.key)
         for key in wanted - have.keys():
-            if key in source:
+            # absent from its source: gone, unless another plan's write of it
+            # there has not landed yet (the planner counts it from the plan on)
+            if key in source and self._writing[key] <= mine[key]:
                 self.planner.lost(key, source[key])
         return kept
 

@@ -166,17 +166,23 @@ class Planner:
         """A request's sealed keys, in prefix order (what the placement learns from)."""
         self.placement.on_request(keys, now, followup)
 
-    def hits(self, keys: Sequence[Key], tiers: Sequence[int], nbytes: int | None = None) -> list[Move]:
+    def hits(self, keys: Sequence[Key], tiers: Sequence[int], nbytes: int | None = None,
+             adopt: Container[Key] = frozenset()) -> list[Move]:
         """Blocks read from ``tiers``: touch them, and promote where the
-        placement says (never evicting another block of this batch).
-        ``nbytes``: their size, to adopt a hit the planner did not know of
-        (a block another process wrote to a shared tier)."""
+        placement says (never evicting another block of this batch). A hit
+        the planner does not hold (any more) is passed over, unless it is in
+        ``adopt``: a block the planner did not know of when the read began
+        (another process wrote it to a shared tier), ``nbytes`` each. A block
+        the planner saw leave during the read (evicted, invalidated) is not
+        taken back."""
         self._moves = []
         self._guard = _Either(self.protected, frozenset(keys))   # the store holds them in transfer too
         try:
             for key, t in zip(keys, tiers):
                 plan = self.tiers[t]
-                if nbytes is not None and not self.holds(key, t):
+                if not self.holds(key, t):
+                    if nbytes is None or key not in adopt:
+                        continue
                     self.adopt(key, t, nbytes)
                 plan.order.touch(key)
                 plan.reads += t > 0

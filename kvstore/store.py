@@ -101,6 +101,7 @@ class TieredStore:
         self.removals = 0                      # blocks the store saw leave it (evicted, invalidated)
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
+        self._landed = 0                       # blocks written into tiers, ever (see alookup)
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
         self._prefetch_slots = asyncio.Semaphore(max_prefetch)
@@ -141,12 +142,16 @@ class TieredStore:
             if not todo:
                 break
             t0 = time.perf_counter()
+            landed = self._landed
             found = await tier.contains_many([keys[i] for i in todo])
             self._observe(tier.name, "lookup", time.perf_counter() - t0)
+            # the tier's answer may predate a write that landed during the call
+            # (a remote server): then it proves nothing gone
+            settled = landed == self._landed
             for i, hit in zip(todo, found):
                 if hit:
                     where[i] = ti
-                elif keys[i] not in self.leases:   # a write in flight is not there yet
+                elif settled and keys[i] not in self.leases:   # a write in flight is not there yet
                     self.planner.lost(keys[i], ti)  # the tier says it is gone (expired, dropped)
             todo = [i for i in todo if where[i] is None]
         prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
@@ -258,6 +263,7 @@ class TieredStore:
             done = await self.executor.apply(
                 moves, have, hold=lambda keys: held.enter_context(self.leases.transfer(keys)),
                 fenced=lambda ns: self._invalidated_since(ns, start))
+        self._landed += len(done.landed)
         for key, spec in done.landed.items():
             self._remember_ns(key, spec.namespace)
             self._gone.pop(key, None)
@@ -306,6 +312,10 @@ class TieredStore:
         result: list[MissReason | None] = [MissReason.NEVER_STORED] * len(keys)
         hit_tier: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        # A hit the planner knew nowhere when the reads began, and no plan was
+        # writing, is adopted (another process wrote it to a shared tier); one
+        # it placed elsewhere or saw leave meanwhile is a copy on its way out.
+        strangers = {k for k in keys if not self.planner.held_anywhere(k) and not self.executor.writing(k)}
         with self.leases.transfer(keys):
             for ti, tier in enumerate(self.tiers):
                 if not todo:
@@ -315,7 +325,9 @@ class TieredStore:
                 self._observe(tier.name, "get", time.perf_counter() - t0)
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
             hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
-            moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes)
+            adopt = strangers if self._epoch == start else set()
+            moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
+                                      adopt=adopt)
             await self._apply(moves, {keys[i]: Held(spec, views[i]) for i, _ in hits}, since=start)
         for i, r in enumerate(result):
             if r is None:
@@ -424,10 +436,15 @@ class TieredStore:
         dropped = 0
         for tier in self.tiers:
             dropped += await tier.drop_namespace(ns)
-        for key in [k for k, n in self._ns_of.items() if n == ns]:
-            for t in range(len(self.tiers)):
+        # The planner does not know every block's namespace (blocks adopted at
+        # start or on a read), so it learns what went from the tiers themselves.
+        for t, tier in enumerate(self.tiers):
+            held = set(tier.iter_keys())
+            for key in [k for k in self.planner.keys_in(t) if k not in held and not self.executor.writing(k)]:
                 self.planner.lost(key, t)
-            self._forget(key, MissReason.INVALIDATED)
+                if not self.planner.held_anywhere(key):
+                    self._forget(key, MissReason.INVALIDATED if self._ns_of.get(key, ns) == ns
+                                 else MissReason.EVICTED)
         self.stats.invalidated_blocks += dropped
         return dropped
 

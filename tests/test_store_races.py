@@ -1,0 +1,175 @@
+"""The planner's belief against concurrent operations: after every race
+below, what the planner believes each tier holds is what the tier holds
+(``TieredStore.audit``), and a re-put stores its bytes. Each test once
+failed (found by a fresh-eyes review's fuzzer, cut down to its shortest form)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import PutOutcome
+from kvstore.record import HEADER_BYTES, BlockSpec
+from kvstore.store import TieredStore
+from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
+from tests.test_store import BB, ID, KEYS, block, dram
+
+OTHER = CacheIdentity("test/other", KVLayout(2, 2, 32, 16, dtype="float16"))
+OTHER_KEYS = block_keys(OTHER, list(range(16 * 12)))
+LONG = block_keys(ID, list(range(16 * 20)))
+REC = BB + FRAME_HEAD_BYTES
+
+
+def other(i: int) -> np.ndarray:
+    return np.random.default_rng(1000 + i).integers(0, 256, BB, dtype=np.uint8)
+
+
+def assert_consistent(s: TieredStore) -> None:
+    for a in s.audit():
+        assert a.planned == a.held, (a.name, len(a.planned - a.held), len(a.held - a.planned))
+    for t, plan in enumerate(s.planner.tiers):
+        assert plan.used <= (plan.capacity or plan.used), plan.name
+
+
+class Yielding(MemoryTier):
+    """A tier whose every call suspends once, as NVMe's thread hop or a socket would."""
+
+    async def contains_many(self, keys):
+        await asyncio.sleep(0)
+        return await super().contains_many(keys)
+
+    async def stat_many(self, keys):
+        await asyncio.sleep(0)
+        return await super().stat_many(keys)
+
+    async def put_many(self, spec, keys, payloads):
+        await asyncio.sleep(0)
+        return await super().put_many(spec, keys, payloads)
+
+    async def get_into_many(self, spec, keys, dsts):
+        await asyncio.sleep(0)
+        return await super().get_into_many(spec, keys, dsts)
+
+    async def delete_many(self, keys):
+        await asyncio.sleep(0)
+        return await super().delete_many(keys)
+
+
+class SlowReads(Yielding):
+    async def get_into_many(self, spec, keys, dsts):
+        await asyncio.sleep(0.05)
+        return await super().get_into_many(spec, keys, dsts)
+
+
+class LaggyAnswers(MemoryTier):
+    """Answers like a remote server: computed now, delivered later."""
+
+    async def contains_many(self, keys):
+        answer = [k in self._records for k in keys]
+        await asyncio.sleep(0.02)
+        return answer
+
+    async def put_many(self, spec, keys, payloads):
+        await asyncio.sleep(0)
+        return await super().put_many(spec, keys, payloads)
+
+
+def small_nvme(tmp_path) -> NvmeTier:
+    seg = SEGMENT_HEADER_BYTES + 2 * REC
+    return NvmeTier(NvmeConfig(tmp_path / "nvme", 8 * seg, segment_bytes=seg, background_compaction=False))
+
+
+async def reput_lands(s: TieredStore, n: int) -> None:
+    assert await s.aput(ID, KEYS[:n], [block(i) for i in range(n)]) == [PutOutcome.STORED] * n
+    dst = np.zeros(BB, np.uint8)
+    assert await s.aget_into(ID, KEYS[:1], [dst]) == [None] and np.array_equal(dst, block(0))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_invalidate_drops_blocks_the_planner_adopted(tmp_path, restart):
+    async def main():
+        if restart:                                # NVMe blocks adopted at start
+            s = TieredStore([small_nvme(tmp_path)])
+            await s.aput(ID, KEYS[:2], [block(0), block(1)])
+            await s.aclose()
+            s = TieredStore([small_nvme(tmp_path)])
+        else:                                      # blocks the tier held before the store began
+            tier = MemoryTier(16 * (BB + HEADER_BYTES), "mem")
+            await tier.put_many(BlockSpec.of(ID), KEYS[:2], [block(0), block(1)])
+            s = TieredStore([tier])
+        assert await s.ainvalidate(ID) == 2
+        assert_consistent(s)
+        assert s.planner.tiers[0].used == 0
+        await reput_lands(s, 2)
+        await s.aclose()
+    asyncio.run(main())
+
+
+def test_a_read_racing_an_invalidate_does_not_take_the_block_back():
+    async def main():
+        s = TieredStore([dram(8), SlowReads(1 << 24, "slow")])
+        await s.aput(ID, KEYS[:1], [block(0)])
+        get = asyncio.ensure_future(s.aget_into(ID, KEYS[:2], [np.zeros(BB, np.uint8) for _ in range(2)]))
+        await asyncio.sleep(0)                     # block 0 read; the get waits on the slow tier
+        assert await s.ainvalidate(ID) == 1
+        await get
+        assert_consistent(s)
+        await reput_lands(s, 1)
+    asyncio.run(main())
+
+
+def test_a_read_racing_an_eviction_does_not_take_the_block_back():
+    async def main():
+        s = TieredStore([dram(3), Yielding(5 * (BB + HEADER_BYTES), "mem"), dram(4, "dram3")])
+        await s.aput(OTHER, OTHER_KEYS[:3], [other(i) for i in range(3)])
+        await s.aput(ID, [LONG[13], LONG[16], LONG[12]], [block(13), block(16), block(12)])
+        dst = np.zeros(BB, np.uint8)
+        put = s.aput(OTHER, [OTHER_KEYS[9], OTHER_KEYS[3], OTHER_KEYS[2]], [other(9), other(3), other(2)])
+        await asyncio.gather(put, s.aget_into(ID, [LONG[13]], [dst]))
+        assert np.array_equal(dst, block(13))
+        assert_consistent(s)
+    asyncio.run(main())
+
+
+def test_a_lookup_answer_older_than_a_landed_put_forgets_nothing():
+    async def main():
+        s = TieredStore([LaggyAnswers(4 * (BB + HEADER_BYTES), "remote")])
+        look = asyncio.ensure_future(s.alookup(KEYS[:1]))
+        await asyncio.sleep(0)
+        assert await s.aput(ID, KEYS[:1], [block(0)]) == [PutOutcome.STORED]
+        await look
+        assert_consistent(s)
+        assert s.planner.held_anywhere(KEYS[0])
+    asyncio.run(main())
+
+
+def test_a_prefetch_from_a_demotion_not_landed_yet_orphans_nothing(tmp_path):
+    async def main():
+        s = TieredStore([dram(3), small_nvme(tmp_path)], flush_on_close=False)
+        await s.aput(ID, KEYS[:3], [block(i) for i in range(3)])
+        put = asyncio.ensure_future(s.aput(ID, [KEYS[3]], [block(3)]))   # demotes block 0 to NVMe
+        await asyncio.sleep(0)
+        await asyncio.gather(put, s.aprefetch([KEYS[0]], to=0))          # planned while that write runs
+        assert_consistent(s)
+        assert (await s.alookup(KEYS[:1], probe=True)).tiers[0] is not None
+        await s.aclose()
+    asyncio.run(main())
+
+
+def test_an_invalidate_racing_a_put_orphans_nothing(tmp_path):
+    async def main():
+        s = TieredStore([dram(1), small_nvme(tmp_path)], flush_on_close=False)
+        await s.aput(ID, KEYS[5:6], [block(5)])
+        await s.aput(OTHER, OTHER_KEYS[:1], [other(0)])                 # block 5 demoted to NVMe
+        put = asyncio.ensure_future(s.aput(ID, KEYS[:1], [block(0)]))
+        await asyncio.sleep(0)
+        await s.ainvalidate(ID)
+        await put
+        assert_consistent(s)
+        await s.aclose()
+    asyncio.run(main())
