@@ -28,6 +28,8 @@ Threading: runs on the store's event loop; see :class:`TieredStore`.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -80,10 +82,18 @@ class Executor:
         # blocks that plans being applied will write (their tiers count them
         # from the plan on): another plan reading one there may find it not yet landed
         self._writing: Counter[BlockKey] = Counter()
+        self._active = 0                 # plans being applied
+        self._idle = asyncio.Event()     # set while none is
+        self._idle.set()
 
     def writing(self, key: BlockKey) -> bool:
         """Whether a plan being applied will still write ``key`` somewhere."""
         return self._writing[key] > 0
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no plan is being applied."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def apply(self, moves: list[Move], have: dict[BlockKey, Held], *,
                     hold: Callable[[list[BlockKey]], object] = lambda keys: None,
@@ -97,6 +107,8 @@ class Executor:
         gone: set[BlockKey] = set()
         mine = Counter(m.key for m in moves if m.kind is not Kind.DROP)
         self._writing.update(mine)
+        self._active += 1
+        self._idle.clear()
         try:
             await self._rounds(moves, have, hold, fenced, done, gone, mine)
         finally:
@@ -104,6 +116,9 @@ class Executor:
             for key in mine:
                 if self._writing[key] <= 0:
                     del self._writing[key]
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
         done.left = [k for k in gone if not self.planner.held_anywhere(k)]
         return done
 
@@ -139,6 +154,8 @@ class Executor:
         for key in wanted:
             if key in source:
                 by_src.setdefault(source[key], []).append(key)
+        # another plan's write of it may land while the read runs: taken now
+        landing = {k for k in wanted if self._writing[k] > mine[k]}
         for src, keys in by_src.items():
             await self._read_from(src, keys, have)
         kept = []
@@ -151,7 +168,7 @@ class Executor:
         for key in wanted - have.keys():
             # absent from its source: gone, unless another plan's write of it
             # there has not landed yet (the planner counts it from the plan on)
-            if key in source and self._writing[key] <= mine[key]:
+            if key in source and key not in landing and self._writing[key] <= mine[key]:
                 self.planner.lost(key, source[key])
         return kept
 
@@ -185,7 +202,10 @@ class Executor:
     async def _delete(self, deletes: list[tuple[BlockKey, int]]) -> None:
         by_tier: dict[int, list[BlockKey]] = {}
         for key, t in deletes:
-            by_tier.setdefault(t, []).append(key)
+            # a later plan placed it there again (its write may have landed
+            # already): this older delete must not undo it
+            if not self.planner.holds(key, t):
+                by_tier.setdefault(t, []).append(key)
         for t, keys in by_tier.items():
             t0 = time.perf_counter()
             await self.tiers[t].delete_many(keys)
@@ -220,7 +240,19 @@ class Executor:
                 self.stats.tier(tier.name).evictions += 1
                 self.planner.lost(key, t)
                 gone.add(key)
+            await self._undo_overtaken(t, group, outs, gone)
         return refused
+
+    async def _undo_overtaken(self, t: int, group: list[Move], outs: list[PutOutcome],
+                              gone: set[BlockKey]) -> None:
+        """Writes that landed after a later plan had already evicted the block
+        from this tier (its delete may have run first): delete them again, so
+        the tier holds what the planner believes."""
+        stale = [m.key for m, out in zip(group, outs)
+                 if out is PutOutcome.STORED and not self.planner.holds(m.key, t)]
+        if stale:
+            await self.tiers[t].delete_many(stale)
+            gone.update(stale)
 
     def _count_write(self, m: Move, spec: BlockSpec, out: PutOutcome) -> None:
         counters = self.stats.tier(self.tiers[m.tier].name)

@@ -44,6 +44,7 @@ from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
 _GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
+_SETTLE_ROUNDS, _SETTLE_S = 4, 1.0   # an invalidation waits this long for plans in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,15 +439,30 @@ class TieredStore:
             dropped += await tier.drop_namespace(ns)
         # The planner does not know every block's namespace (blocks adopted at
         # start or on a read), so it learns what went from the tiers themselves.
+        # A block a plan in flight still writes is judged once that plan is
+        # done (it may have planned on the belief the drop just made stale).
+        for _ in range(_SETTLE_ROUNDS):
+            if not self._forget_dropped(ns):
+                break
+            await self.executor.settle(_SETTLE_S)
+        self.stats.invalidated_blocks += dropped
+        return dropped
+
+    def _forget_dropped(self, ns: bytes) -> int:
+        """Tell the planner of every block it places where the tier no longer
+        has it; returns how many were passed over because a plan writes them."""
+        passed = 0
         for t, tier in enumerate(self.tiers):
             held = set(tier.iter_keys())
-            for key in [k for k in self.planner.keys_in(t) if k not in held and not self.executor.writing(k)]:
+            for key in [k for k in self.planner.keys_in(t) if k not in held]:
+                if self.executor.writing(key):
+                    passed += 1
+                    continue
                 self.planner.lost(key, t)
                 if not self.planner.held_anywhere(key):
                     self._forget(key, MissReason.INVALIDATED if self._ns_of.get(key, ns) == ns
                                  else MissReason.EVICTED)
-        self.stats.invalidated_blocks += dropped
-        return dropped
+        return passed
 
     async def astat(self, key: BlockKey) -> RecordHeader | None:
         for tier in self.tiers:
