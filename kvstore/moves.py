@@ -82,6 +82,7 @@ class Executor:
         # blocks that plans being applied will write (their tiers count them
         # from the plan on): another plan reading one there may find it not yet landed
         self._writing: Counter[BlockKey] = Counter()
+        self._dropping: Counter[BlockKey] = Counter()   # and will delete
         self._active = 0                 # plans being applied
         self._idle = asyncio.Event()     # set while none is
         self._idle.set()
@@ -89,6 +90,10 @@ class Executor:
     def writing(self, key: BlockKey) -> bool:
         """Whether a plan being applied will still write ``key`` somewhere."""
         return self._writing[key] > 0
+
+    def moving(self, key: BlockKey) -> bool:
+        """Whether a plan being applied will still write or delete ``key``."""
+        return self._writing[key] > 0 or self._dropping[key] > 0
 
     async def settle(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until no plan is being applied."""
@@ -106,16 +111,19 @@ class Executor:
         done = Applied()
         gone: set[BlockKey] = set()
         mine = Counter(m.key for m in moves if m.kind is not Kind.DROP)
+        drops = Counter(m.key for m in moves if m.kind is Kind.DROP)
         self._writing.update(mine)
+        self._dropping.update(drops)
         self._active += 1
         self._idle.clear()
         try:
             await self._rounds(moves, have, hold, fenced, done, gone, mine)
         finally:
-            self._writing.subtract(mine)
-            for key in mine:
-                if self._writing[key] <= 0:
-                    del self._writing[key]
+            for counts, own in ((self._writing, mine), (self._dropping, drops)):
+                counts.subtract(own)
+                for key in own:
+                    if counts[key] <= 0:
+                        del counts[key]
             self._active -= 1
             if not self._active:
                 self._idle.set()
@@ -134,9 +142,14 @@ class Executor:
                     gone.add(m.key)
                     if m.cause is Cause.EVICT:
                         self.stats.tier(self.tiers[m.tier].name).evictions += 1
-            deletes, writes = net_effect(moves)
-            writes = await self._read(moves, writes, have, gone, mine)
+            deletes, planned = net_effect(moves)
+            writes = await self._read(moves, planned, have, gone, mine)
             writes = self._unfenced(writes, have, fenced, gone)
+            # a write this plan cannot make leaves that tier as it was, which
+            # may be holding the block still (an older plan's delete of it
+            # stood back for this write): delete it unless the planner holds it there
+            kept = {id(m) for m in writes}
+            deletes += [(m.key, m.tier) for m in planned if id(m) not in kept]
             await self._delete(deletes)
             refused = await self._write(writes, have, done, gone)
             moves = [n for m, full in refused for n in self.planner.refused(m, full=full)]
@@ -202,11 +215,14 @@ class Executor:
     async def _delete(self, deletes: list[tuple[BlockKey, int]]) -> None:
         by_tier: dict[int, list[BlockKey]] = {}
         for key, t in deletes:
-            # a later plan placed it there again (its write may have landed
-            # already): this older delete must not undo it
-            if not self.planner.holds(key, t):
-                by_tier.setdefault(t, []).append(key)
+            by_tier.setdefault(t, []).append(key)
         for t, keys in by_tier.items():
+            # a later plan placed it there again (its write may have landed
+            # already): this older delete must not undo it. Asked per tier,
+            # right before the call: another tier's delete may have yielded.
+            keys = [k for k in keys if not self.planner.holds(k, t)]
+            if not keys:
+                continue
             t0 = time.perf_counter()
             await self.tiers[t].delete_many(keys)
             self._observe(self.tiers[t].name, "delete", time.perf_counter() - t0)

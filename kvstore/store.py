@@ -314,9 +314,9 @@ class TieredStore:
         hit_tier: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         # A hit the planner knew nowhere when the reads began, and no plan was
-        # writing, is adopted (another process wrote it to a shared tier); one
+        # writing or deleting, is adopted (another process wrote it to a shared tier); one
         # it placed elsewhere or saw leave meanwhile is a copy on its way out.
-        strangers = {k for k in keys if not self.planner.held_anywhere(k) and not self.executor.writing(k)}
+        strangers = {k for k in keys if not self.planner.held_anywhere(k) and not self.executor.moving(k)}
         with self.leases.transfer(keys):
             for ti, tier in enumerate(self.tiers):
                 if not todo:
@@ -405,7 +405,7 @@ class TieredStore:
     async def _adopt_unknown(self, keys: list[BlockKey], above: int) -> None:
         """Tell the planner of blocks below tier ``above`` that it does not
         know (another process wrote them to a shared tier)."""
-        todo = [k for k in keys if self.planner.locate(k) is None]
+        todo = [k for k in keys if self.planner.locate(k) is None and not self.executor.moving(k)]
         for t in range(above + 1, len(self.tiers)):
             if not todo:
                 return
