@@ -29,7 +29,7 @@ from kvstore.keys import block_keys
 from kvstore.record import HEADER_BYTES
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
-from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.memory import YieldingMemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
 
@@ -43,30 +43,6 @@ NUM_KEYS = 24
 def payload(who: int, i: int) -> np.ndarray:
     n = IDENTITIES[who].layout.block_bytes
     return np.random.default_rng(i * 1000 + who).integers(0, 256, n, dtype=np.uint8)
-
-
-class Yielding(MemoryTier):
-    """Every call suspends once, as NVMe's thread hop or a socket would."""
-
-    async def contains_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().contains_many(keys)
-
-    async def stat_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().stat_many(keys)
-
-    async def put_many(self, spec, keys, payloads):
-        await asyncio.sleep(0)
-        return await super().put_many(spec, keys, payloads)
-
-    async def get_into_many(self, spec, keys, dsts):
-        await asyncio.sleep(0)
-        return await super().get_into_many(spec, keys, dsts)
-
-    async def delete_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().delete_many(keys)
 
 
 def dram(blocks: int, name: str, page: int = BB) -> DramTier:
@@ -83,10 +59,10 @@ def shape(n: int, tmp: str) -> list:
     mem = BB + HEADER_BYTES
     return [
         lambda: [dram(4, "dram"), dram(6, "dram2")],
-        lambda: [dram(3, "dram"), Yielding(5 * mem, "mem"), dram(4, "dram3")],
+        lambda: [dram(3, "dram"), YieldingMemoryTier(5 * mem, "mem"), dram(4, "dram3")],
         lambda: [dram(3, "dram"), nvme(tmp, rec)],
-        lambda: [Yielding(3 * mem, "mem0"), dram(4, "dram"), nvme(tmp, rec)],
-        lambda: [dram(4, "d0", 2 * BB), Yielding(6 * mem, "mem"), dram(6, "d2", 2 * BB)],
+        lambda: [YieldingMemoryTier(3 * mem, "mem0"), dram(4, "dram"), nvme(tmp, rec)],
+        lambda: [dram(4, "d0", 2 * BB), YieldingMemoryTier(6 * mem, "mem"), dram(6, "d2", 2 * BB)],
         lambda: [dram(4, "d0", 2 * BB), nvme(tmp, 2 * BB + FRAME_HEAD_BYTES)],
     ][n]()
 

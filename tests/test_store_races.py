@@ -14,7 +14,7 @@ from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
 from kvstore.record import HEADER_BYTES, BlockSpec
 from kvstore.store import TieredStore
-from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.memory import MemoryTier, YieldingMemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
 from tests.test_store import BB, ID, KEYS, block, dram
@@ -36,31 +36,7 @@ def assert_consistent(s: TieredStore) -> None:
         assert plan.used <= (plan.capacity or plan.used), plan.name
 
 
-class Yielding(MemoryTier):
-    """A tier whose every call suspends once, as NVMe's thread hop or a socket would."""
-
-    async def contains_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().contains_many(keys)
-
-    async def stat_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().stat_many(keys)
-
-    async def put_many(self, spec, keys, payloads):
-        await asyncio.sleep(0)
-        return await super().put_many(spec, keys, payloads)
-
-    async def get_into_many(self, spec, keys, dsts):
-        await asyncio.sleep(0)
-        return await super().get_into_many(spec, keys, dsts)
-
-    async def delete_many(self, keys):
-        await asyncio.sleep(0)
-        return await super().delete_many(keys)
-
-
-class SlowReads(Yielding):
+class SlowReads(YieldingMemoryTier):
     async def get_into_many(self, spec, keys, dsts):
         await asyncio.sleep(0.05)
         return await super().get_into_many(spec, keys, dsts)
@@ -125,7 +101,7 @@ def test_a_read_racing_an_invalidate_does_not_take_the_block_back():
 
 def test_a_read_racing_an_eviction_does_not_take_the_block_back():
     async def main():
-        s = TieredStore([dram(3), Yielding(5 * (BB + HEADER_BYTES), "mem"), dram(4, "dram3")])
+        s = TieredStore([dram(3), YieldingMemoryTier(5 * (BB + HEADER_BYTES), "mem"), dram(4, "dram3")])
         await s.aput(OTHER, OTHER_KEYS[:3], [other(i) for i in range(3)])
         await s.aput(ID, [LONG[13], LONG[16], LONG[12]], [block(13), block(16), block(12)])
         dst = np.zeros(BB, np.uint8)
@@ -191,7 +167,7 @@ def test_an_older_plans_delete_does_not_undo_a_newer_write():
     """One plan demotes block 19 out of the middle tier while a newer put
     writes it there again: the older delete, run after, must not remove it."""
     async def main():
-        s = TieredStore([dram(3), Yielding(5 * (BB + HEADER_BYTES), "mem"), dram(4, "dram3")])
+        s = TieredStore([dram(3), YieldingMemoryTier(5 * (BB + HEADER_BYTES), "mem"), dram(4, "dram3")])
         await steps(s, [[("put", 0, [19])],
                         [("put", 1, [3, 16, 1]), ("put", 1, [11, 22, 7, 18])],
                         [("put", 0, [16, 11, 17, 4]), ("put", 0, [19])]])

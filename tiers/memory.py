@@ -5,6 +5,7 @@ under the contract suite. Not for production: each put allocates.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Iterator, Sequence
 
 from kvstore.keys import BlockKey
@@ -93,3 +94,30 @@ class MemoryTier(TierOps):
     async def close(self) -> None:
         self._records.clear()
         self._used = 0
+
+
+class YieldingMemoryTier(MemoryTier):
+    """The reference tier, suspending once in every call as NVMe's thread hop
+    or a socket would: what tests of concurrent store operations run on."""
+
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        await asyncio.sleep(0)
+        return await super().contains_many(keys)
+
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
+        await asyncio.sleep(0)
+        return await super().stat_many(keys)
+
+    async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                       payloads: Sequence[object]) -> list[PutOutcome]:
+        await asyncio.sleep(0)
+        return await super().put_many(spec, keys, payloads)
+
+    async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
+                            dsts: Sequence[object]) -> list[GetOutcome]:
+        await asyncio.sleep(0)
+        return await super().get_into_many(spec, keys, dsts)
+
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        await asyncio.sleep(0)
+        return await super().delete_many(keys)
