@@ -39,16 +39,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.bench.demo import payload_for, stand_in_tokens
 from kvstore.bench.simulate import PlanReplay, StepResult
 from kvstore.bench.trace import TraceRequest
-from kvstore.demo import payload_for, stand_in_tokens
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain
-from kvstore.planner import Planner
 from kvstore.policies.eviction import LRU
 from kvstore.record import BlockSpec
-from kvstore.store import TieredStore
+from kvstore.store.planner import Planner
+from kvstore.store.tiered import TieredStore
 
 DEFAULT_BYTES_PER_TOKEN = 2        # 512-token block = 1 KiB; 10M tokens = 20 MB
 HBM_MODES = ("auto", "cuda", "twin", "dram")

@@ -34,12 +34,12 @@ from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.simulate import PlanReplay, StepResult
 from kvstore.bench.trace import TraceRequest, read_trace
 from kvstore.errors import ConfigError
-from kvstore.planner import Planner, TierPlan
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy
 from kvstore.policies.belady import belady_tier_hits
 from kvstore.policies.eviction import make_eviction, tier_orders
 from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
+from kvstore.store.planner import Planner, TierPlan
 
 POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle")
 DEFAULT_POLICIES = POLICY_NAMES[:5]

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.moves import net_effect
-from kvstore.planner import Kind, Move, Planner, extra_copies
+from kvstore.store.moves import net_effect
+from kvstore.store.planner import Kind, Move, Planner, extra_copies
 
 
 @dataclass(slots=True)

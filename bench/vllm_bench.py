@@ -198,14 +198,14 @@ def drop_page_cache(paths: list[Path]) -> int:
 
 def run_kvstore(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
     """kvstore's four cases against one daemon; returns (per-case results, setup facts)."""
-    from kvstore.daemon_proc import DaemonProc  # noqa: PLC0415
+    from kvstore.bench.daemon_proc import DaemonProc  # noqa: PLC0415
 
     cfg = er.cfg
     daemon = DaemonProc(er.workdir / "kvstore", DAEMON_TOKEN, store={
-        "dram_bytes": cfg.dram_bytes, "nvme_bytes": cfg.nvme_bytes})
+        "dram": {"capacity_bytes": cfg.dram_bytes}, "nvme": {"capacity_bytes": cfg.nvme_bytes}})
     ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
            "kv_role": "kv_both", "kv_connector_extra_config": {
-               "store": {"daemon_url": daemon.url, "daemon_token": DAEMON_TOKEN},
+               "store": {"remote": {"url": daemon.url, "token": DAEMON_TOKEN}},
                "identity": {"model_revision": "bench"}}}
     results: dict[str, Any] = {}
     facts: dict[str, Any] = {}

@@ -32,12 +32,12 @@ from typing import Any, TypeVar
 
 from prometheus_client import Histogram
 
-from kvstore.config import StoreConfig
+from kvstore.config import Config
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
-from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
 from kvstore.stats import LATENCY_BUCKETS
+from kvstore.store.facade import Store
 
 log = logging.getLogger("kvstore.connectors")
 T = TypeVar("T")
@@ -83,13 +83,16 @@ class ConnectorConfig:
     """What a connector reads from its engine-side config (vLLM's
     ``kv_connector_extra_config``, SGLang's ``--hicache-storage-backend-extra-config``).
 
-    ``store`` is a :class:`StoreConfig` dict (``dram_bytes``, ``nvme_path``, ...);
+    ``store`` and ``policy`` are those sections of the config tree
+    (``{"store": {"dram": {"capacity_bytes": "8GiB"}}}``, see the README),
+    with the ``KVSTORE_*`` environment variables under them; the whole
+    tree is ``tree``. Other keys:
     ``identity`` overrides the user-settable identity fields (revisions, chat
     template, tenant salt); ``save`` / ``load`` turn either direction off;
     ``min_load_blocks`` skips loads too short to beat recomputing them.
     """
 
-    store: StoreConfig
+    tree: Config
     identity: tuple[tuple[str, str], ...] = ()
     save: bool = True
     load: bool = True
@@ -97,8 +100,8 @@ class ConnectorConfig:
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.store, StoreConfig):
-            raise ConfigError("store must be a StoreConfig")
+        if not isinstance(self.tree, Config):
+            raise ConfigError("tree must be a kvstore.config.Config")
         for name, value in self.identity:
             if name not in USER_IDENTITY_FIELDS:
                 raise ConfigError(f"identity field {name!r} cannot be set here; "
@@ -126,17 +129,20 @@ class ConnectorConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("connector config must be an object")
         data = dict(data)
-        mine = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        mine = ({f.name for f in dataclasses.fields(cls)} - {"extra", "tree"}) | {"store", "policy"}
         extra = {k: data.pop(k) for k in list(data) if k in known_extra}
         unknown = sorted(set(data) - mine)
         if unknown:
             raise ConfigError(f"unknown connector config key(s): {', '.join(unknown)}; "
                               f"known: {sorted(mine | set(known_extra))}")
-        store = StoreConfig.from_dict(data.pop("store", {"dram_bytes": 1 << 30}))
+        from kvstore.config_load import load_config  # noqa: PLC0415
+
+        tree: dict[str, Any] = {name: data.pop(name) for name in ("store", "policy") if name in data}
+        config = load_config(data=tree)
         ident = data.pop("identity", {}) or {}
         if not isinstance(ident, Mapping):
             raise ConfigError("identity must be an object of strings")
-        return cls(store=store, identity=tuple(sorted(ident.items())),
+        return cls(tree=config, identity=tuple(sorted(ident.items())),
                    extra=tuple(sorted(extra.items())), **data)
 
     def extra_value(self, name: str, default: Any = None) -> Any:
@@ -204,7 +210,7 @@ _STORES: dict[str, Store] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], Store] | None = None) -> Store:
+def shared_store(config: Config, opener: Callable[[Config], Store] | None = None) -> Store:
     """The process's store for ``config``, opened on first use.
 
     Why shared: vLLM builds one connector object for the scheduler and another
@@ -213,7 +219,7 @@ def shared_store(config: StoreConfig, opener: Callable[[StoreConfig], Store] | N
     load. Across processes, sharing needs a persistent or remote tier (NVMe,
     Redis, the daemon). Thread-safe. Stores live until the process exits.
     """
-    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    key = config.model_dump_json()
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
@@ -255,18 +261,15 @@ class UnavailableStore:
         self.close()
 
 
-def process_local_tiers(config: StoreConfig) -> list[str]:
+def process_local_tiers(config: Config) -> list[str]:
     """Tiers whose contents another process cannot see (HBM, DRAM; NVMe is
     locked to one process at a time). A daemon-backed store has none."""
-    if config.daemon_url:
-        return []
-    return [name for name, on in (("hbm", config.hbm_bytes), ("dram", config.dram_bytes),
-                                  ("nvme", config.nvme_bytes)) if on]
+    return [name for name in config.store.tiers() if name != "redis"]
 
 
-def open_store(config: StoreConfig) -> Store:
+def open_store(config: Config) -> Store:
     """The blocking store ``config`` names (in-process, or the daemon's client)."""
-    from kvstore.factory import open_store as _open
+    from kvstore.store.factory import open_store as _open
     return _open(config)
 
 

@@ -3,8 +3,8 @@
 Usage::
 
     from kvstore.connectors.hf import HFPrefixCache, identity_for_model
-    from kvstore.store import open_store
-    store = open_store(StoreConfig(dram_bytes=2 << 30))
+    from kvstore.store.factory import open_store
+    store = open_store({"store": {"dram": {"capacity_bytes": "2GiB"}}})
     ident = identity_for_model(model, block_tokens=16, model_revision="abc123")
     pc = HFPrefixCache(store, ident)
 
@@ -36,11 +36,11 @@ from kvstore.connectors._common import (
     rope_fields,
 )
 from kvstore.errors import ConfigError, MissingDependency
-from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
+from kvstore.store.facade import Store
 
 try:
     import torch

@@ -6,7 +6,7 @@ Turn it on with::
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
             "module_path": "kvstore.connectors.sglang", "class_name": "KVStoreHiCache",
-            "interface_v1": 1, "store": {"dram_bytes": "8GiB"},
+            "interface_v1": 1, "store": {"dram": {"capacity_bytes": "8GiB"}},
             "identity": {"model_revision": "abc123"}}'
 
 ``interface_v1: 1`` makes SGLang call the page-level ``batch_get_v1`` /
@@ -102,7 +102,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.storage_config = storage_config
         self.config = ConnectorConfig.from_dict(storage_config.extra_config or {},
                                                 known_extra=SGLANG_KEYS)
-        self.store = shared_store(self.config.store)
+        self.store = shared_store(self.config.tree)
         self.guard = StoreGuard("sglang")
         self.identity: CacheIdentity | None = None
         self.mem_pool_host: Any = None

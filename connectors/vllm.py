@@ -4,7 +4,7 @@ Turn it on with::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": {"dram_bytes": "8GiB"},
+        "kv_connector_extra_config": {"store": {"dram": {"capacity_bytes": "8GiB"}},
                                       "identity": {"model_revision": "abc123"}}}'
 
 How it works (vLLM 0.32's V1 interface):
@@ -66,10 +66,10 @@ from kvstore.connectors._common import (
     shared_store,
 )
 from kvstore.errors import ConfigError, MissingDependency
-from kvstore.facade import Store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain, MediaRef
 from kvstore.outcomes import MissReason
+from kvstore.store.facade import Store
 
 try:
     import torch
@@ -207,17 +207,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         engine_logging()
         self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
-        self.store = shared_store(self.config.store)
+        self.store = shared_store(self.config.tree)
         self.guard = StoreGuard(f"vllm-{role.name.lower()}")
         self.user = dict(self.config.identity)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        local = process_local_tiers(self.config.store)
+        local = process_local_tiers(self.config.tree)
         if local and vllm_config.parallel_config.distributed_executor_backend != "uni":
             # vLLM's scheduler and workers are separate processes here: the
             # scheduler's lookups cannot see what a worker put into its own
             # process-local tiers, and NVMe admits one process per directory.
             log.warning("kvstore: tiers %s are process-local but vLLM runs its workers in "
-                        "other processes; use redis_url (or the kvstore daemon) and no "
+                        "other processes; use store.redis (or store.remote: the kvstore daemon) and no "
                         "local tiers, or distributed_executor_backend=uni", local)
         if role == KVConnectorRole.SCHEDULER:
             # a cache miss or a corrupt block must mean recompute, never a failed request
@@ -233,7 +233,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
             self.base = engine_identity(vllm_config, kv_cache_config, self.user, self.rank)
             self.worker = _Worker(self.base, kv_cache_config.num_blocks)
-        log.info("kvstore connector (%s) ready: %s", role.name, self.config.store)
+        log.info("kvstore connector (%s) ready: %s", role.name, self.config.tree)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,3 +1,3 @@
-from kvstore.cli import main
+from kvstore.cli.main import main
 
 main()

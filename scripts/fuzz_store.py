@@ -27,7 +27,7 @@ import numpy as np
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.record import HEADER_BYTES
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.memory import YieldingMemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier

@@ -1,5 +1,5 @@
 """A real ``kvstore serve`` process for attack and fault tests (any daemon
-config, a lower descriptor limit, a command prefix: kvstore.daemon_proc),
+config, a lower descriptor limit, a command prefix: kvstore.bench.daemon_proc),
 and a private mount namespace holding a small tmpfs the test can fill up.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from kvstore.daemon_proc import DaemonProc
+from kvstore.bench.daemon_proc import DaemonProc
 
 
 class Served(DaemonProc):

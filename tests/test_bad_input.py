@@ -18,15 +18,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.config import StoreConfig
-from kvstore.daemon_config import DaemonConfig, TenantSpec
-from kvstore.daemon_limits import DaemonLimits
+from kvstore.config import Config, StoreConfig
+from kvstore.config_load import load_config
+from kvstore.daemon.config import DaemonConfig, TenantSpec
+from kvstore.daemon.limits import DaemonLimits
 from kvstore.errors import ConfigError, InvalidBlock
-from kvstore.factory import open_store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
-from kvstore.store import TieredStore
+from kvstore.store.factory import open_store
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 
@@ -47,10 +48,12 @@ def field_dicts(fields: list[str]) -> st.SearchStrategy:
 
 
 PARSERS = {
-    "store": (StoreConfig.from_dict, [f for f in StoreConfig.__dataclass_fields__]),
-    "daemon": (DaemonConfig.from_dict, [f for f in DaemonConfig.__dataclass_fields__]),
-    "limits": (DaemonLimits.from_dict, [f for f in DaemonLimits.__dataclass_fields__]),
-    "tenant": (TenantSpec.from_dict, [f for f in TenantSpec.__dataclass_fields__]),
+    "tree": (Config.from_dict, list(Config.model_fields)),
+    "store": (StoreConfig.from_dict, list(StoreConfig.model_fields)),
+    "nvme": (NvmeConfig.from_dict, list(NvmeConfig.model_fields)),
+    "daemon": (DaemonConfig.from_dict, list(DaemonConfig.model_fields)),
+    "limits": (DaemonLimits.from_dict, list(DaemonLimits.model_fields)),
+    "tenant": (TenantSpec.from_dict, list(TenantSpec.model_fields)),
     "identity": (CacheIdentity.from_dict, [f for f in CacheIdentity.__dataclass_fields__]
                  + [f for f in KVLayout.__dataclass_fields__] + ["block_size"]),
 }
@@ -75,11 +78,11 @@ def deep(n: int) -> str:
 @pytest.mark.parametrize("body", [b"\xff\xfe{not utf-8", deep(100_000).encode(), b'{"a": ', b"[1, 2]"],
                          ids=["not-utf8", "too-deep", "truncated", "not-an-object"])
 def test_config_files_fail_with_config_errors(tmp_path, body):
-    path = tmp_path / "cfg.json"
-    path.write_bytes(body)
-    for load in (StoreConfig.from_file, DaemonConfig.from_file):
-        with pytest.raises(ConfigError):
-            load(str(path))
+    for name in ("cfg.json", "cfg.toml"):
+        path = tmp_path / name
+        path.write_bytes(body)
+        with pytest.raises(ConfigError, match=name):
+            load_config(path, env={})
     with pytest.raises(ConfigError):
         CacheIdentity.from_json(body)
 
@@ -128,13 +131,13 @@ def test_a_buffer_of_another_dtype_is_refused_in_process_and_by_the_client(tmp_p
     keys = block_keys(IDENT, range(16 * 2))
     wrong = [np.zeros(IDENT.layout.block_bytes // 4, np.float32)] * 2     # right size, wrong type
     right = [np.zeros(IDENT.layout.block_bytes // 2, np.float16)] * 2
-    with open_store(StoreConfig(dram_bytes=1 << 20)) as s:
+    with open_store({"store": {"dram": {"capacity_bytes": 1 << 20}}}) as s:
         with pytest.raises(InvalidBlock, match="dtype"):
             s.put(IDENT, keys, wrong)
         assert s.lookup(keys).prefix_blocks == 0
         assert s.put(IDENT, keys, right) == [PutOutcome.STORED] * 2
-    from kvstore.remote import RemoteConfig, RemoteStore
-    with RemoteStore(RemoteConfig("unix:///nonexistent/kv.sock", "token-12345")) as r:
+    from kvstore.daemon.client import RemoteConfig, RemoteStore
+    with RemoteStore(RemoteConfig(url="unix:///nonexistent/kv.sock", token="token-12345")) as r:
         with pytest.raises(InvalidBlock, match="dtype"):      # refused before anything is sent
             r.put(IDENT, keys, wrong)
 
@@ -153,29 +156,51 @@ def test_kvstore_keys_gives_a_typed_error_for_unreadable_files(tmp_path, body):
         assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr[-500:]
 
 
-@pytest.mark.parametrize("cfg", [{"store": {"dram_bytes": 10 ** 26}},
-                                 {"store": {"dram_bytes": "1MiB"}, "socket_buffer_bytes": 2 ** 40}],
+@pytest.mark.parametrize("cfg", [{"store": {"dram": {"capacity_bytes": 10 ** 26}}},
+                                 {"store": {"dram": {"capacity_bytes": "1MiB"}},
+                                  "daemon": {"socket_buffer_bytes": 2 ** 40}}],
                          ids=["dram-beyond-any-machine", "socket-buffer-2TiB"])
 def test_absurd_sizes_are_config_errors_before_anything_starts(tmp_path, cfg):
+    tree = {**cfg, "daemon": {**cfg.get("daemon", {}), "listen": {"unix_path": str(tmp_path / "s")}}}
     with pytest.raises(ConfigError):
-        DaemonConfig.from_dict({**cfg, "unix_path": str(tmp_path / "s")})
+        Config.from_dict(tree)
     path = tmp_path / "d.json"
-    path.write_text(json.dumps({**cfg, "unix_path": str(tmp_path / "s")}))
+    path.write_text(json.dumps(tree))
     r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, r.stderr[-500:]
 
 
 def test_memory_the_machine_does_not_have_is_a_config_error(tmp_path):
-    cfg = StoreConfig(dram_bytes=(1 << 62) - 4096)
+    cfg = {"store": {"dram": {"capacity_bytes": (1 << 62) - 4096}}}
     with pytest.raises(ConfigError, match="cannot open a tier"):
         with open_store(cfg):
             pass
 
 
 def test_an_nvme_path_without_a_size_is_an_error_not_a_missing_tier(tmp_path):
-    with pytest.raises(ConfigError, match="nvme_bytes"):
-        StoreConfig(nvme_path=str(tmp_path))
-    with pytest.raises(ConfigError, match="nvme_path"):
-        StoreConfig(nvme_bytes=1 << 20)
-    assert StoreConfig(nvme_path=str(tmp_path), nvme_bytes=1 << 20).nvme_bytes == 1 << 20
+    with pytest.raises(ConfigError, match=r"store\.nvme\.capacity_bytes: required"):
+        StoreConfig.from_dict({"nvme": {"path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match=r"store\.nvme\.path: required"):
+        StoreConfig.from_dict({"nvme": {"capacity_bytes": 1 << 20}})
+    assert StoreConfig.from_dict({"nvme": {"path": str(tmp_path), "capacity_bytes": "1MiB"}}).nvme.capacity_bytes \
+        == 1 << 20
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"store": {"nvme": {"path": "/x", "capacity_bytes": -1}}},
+     "store.nvme.capacity_bytes: a size must not be negative"),
+    ({"store": {"dram": {"capacity_bytes": "8GiB", "pinned": "maybe"}}},
+     "store.dram.pinned: must be one of 'auto', 'yes' or 'no' (got 'maybe')"),
+    ({"policy": {"thresholds": [5, 4, 3]}}, "policy.thresholds: must be auto or three token counts"),
+    ({"daemon": {"tenants": [{"name": "a", "token": "t-123456"}, {"name": "b", "token": "short"}]}},
+     "daemon.tenants[1].token: must have at least 8 characters (got hidden)"),
+    ({"daemon": {"limits": {"idle_timeout_s": 0}}}, "daemon.limits.idle_timeout_s: must be > 0 (got 0)"),
+    ({"store": {"dram": {"capacity_bytes": "1GiB", "size": 1}}}, "store.dram.size: unknown field (known: "),
+    ({"store": {"redis": {"url": "redis://h:1/0", "cluster": 1}}}, "store.redis.cluster: must be true or false"),
+])
+def test_config_errors_name_the_path_and_the_value(tree, message):
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(tree)
+    assert message in str(err.value)
+    assert "t-123456" not in str(err.value) and "short" not in str(err.value)

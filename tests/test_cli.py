@@ -83,7 +83,7 @@ def test_bench_tiers_rejects_unknown_tier():
 
 
 def test_import_kvstore_stays_light():
-    code = ("import sys, kvstore, kvstore.store, kvstore.tiers.dram, kvstore.cli;"
+    code = ("import sys, kvstore, kvstore.store.tiered, kvstore.tiers.dram, kvstore.cli.main;"
             "print([m for m in ('torch', 'cupy', 'redis', 'vllm') if m in sys.modules])")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"

@@ -21,21 +21,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstore.config import StoreConfig
-from kvstore.daemon import Daemon
-from kvstore.daemon_config import DaemonConfig, TenantSpec
-from kvstore.errors import (
-    ConfigError,
-    InvalidBlock,
-    InvalidHint,
-    InvalidKey,
-    TierUnavailable,
-)
-from kvstore.factory import open_store
-from kvstore.identity import CacheIdentity, KVLayout
-from kvstore.keys import block_keys
-from kvstore.outcomes import MissReason, PutOutcome
-from kvstore.protocol import (
+from kvstore.config import Config, StoreConfig
+from kvstore.daemon.client import RemoteConfig, RemoteStore
+from kvstore.daemon.config import DaemonConfig, TenantSpec
+from kvstore.daemon.protocol import (
     HEADER_SIZE,
     MAX_KEYS,
     STATUS_ERROR,
@@ -46,7 +35,18 @@ from kvstore.protocol import (
     raise_error,
     unpack_header,
 )
-from kvstore.remote import RemoteConfig, RemoteStore
+from kvstore.daemon.server import Daemon
+from kvstore.errors import (
+    ConfigError,
+    InvalidBlock,
+    InvalidHint,
+    InvalidKey,
+    TierUnavailable,
+)
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.store.factory import open_store
 from tests.placements import RecordingPlacement
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,14 +56,13 @@ IDENT = CacheIdentity("daemon-test-model", KVLayout(num_layers=2, num_kv_heads=2
 BB = IDENT.layout.block_bytes
 TOK_A, TOK_B = "token-alpha-0001", "token-bravo-0002"
 QUOTA_BLOCKS = 4
-SERVE = ("import sys; from kvstore.daemon import serve; from kvstore.daemon_config import DaemonConfig; "
-         "serve(DaemonConfig.from_file(sys.argv[1]))")
+SERVE = ("import sys; from kvstore.daemon.server import serve; from kvstore.config_load import load_config; "
+         "serve(load_config(sys.argv[1]))")
 
 # a client process: put or verify blocks derived from a seed (no pickling: plain argv)
 CLIENT = """
 import sys, numpy as np
-from kvstore.config import StoreConfig
-from kvstore.factory import open_store
+from kvstore.store.factory import open_store
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 url, token, mode, seed, shm = sys.argv[1:6]
@@ -72,7 +71,7 @@ ident = CacheIdentity("daemon-test-model", KVLayout(num_layers=2, num_kv_heads=2
 keys = block_keys(ident, range(int(seed), int(seed) + 16 * 6))
 rng = np.random.default_rng(int(seed))
 blocks = [rng.integers(0, 256, ident.layout.block_bytes, dtype=np.uint8) for _ in keys]
-with open_store(StoreConfig(daemon_url=url, daemon_token=token, daemon_shm=shm == "1")) as s:
+with open_store({"store": {"remote": {"url": url, "token": token, "shm": shm == "1"}}}) as s:
     if mode == "put":
         print(",".join(o.value for o in s.put(ident, keys, blocks)))
     else:
@@ -89,22 +88,27 @@ def blocks_for(seed: int, n: int = 6) -> tuple[list, list[np.ndarray]]:
     return keys, [rng.integers(0, 256, BB, dtype=np.uint8) for _ in keys]
 
 
-def daemon_config(tmp: Path, **kw) -> DaemonConfig:
-    store = StoreConfig(dram_bytes=8 * BB, nvme_path=str(tmp / "nvme"), nvme_bytes=64 << 20,
-                        nvme_segment_bytes=4 << 20)
-    tenants = (TenantSpec("alpha", TOK_A, admin=True), TenantSpec("bravo", TOK_B, quota_bytes=QUOTA_BLOCKS * BB))
-    return DaemonConfig(store=store, unix_path=str(tmp / "kv.sock"), tenants=tenants, **kw)
+def daemon_config(tmp: Path, metrics_port: int | None = None, **kw) -> Config:
+    """DRAM + NVMe, tenants alpha (an admin) and bravo (a quota); ``kw``: more of the daemon section."""
+    store = StoreConfig.from_dict({"dram": {"capacity_bytes": 8 * BB},
+                                   "nvme": {"path": str(tmp / "nvme"), "capacity_bytes": "64MiB",
+                                            "segment_bytes": "4MiB"}})
+    tenants = (TenantSpec(name="alpha", token=TOK_A, admin=True),
+               TenantSpec(name="bravo", token=TOK_B, quota_bytes=QUOTA_BLOCKS * BB))
+    daemon = DaemonConfig(listen={"unix_path": str(tmp / "kv.sock")}, metrics={"port": metrics_port},
+                          tenants=tenants, **kw)
+    return Config(store=store, daemon=daemon)
 
 
 class ThreadDaemon:
     """A daemon on its own loop in a thread; the test can inspect ``daemon``."""
 
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.daemon: Daemon = self.run(Daemon.start(cfg))
-        self.url = f"unix://{cfg.unix_path}"
+        self.url = f"unix://{cfg.daemon.listen.unix_path}"
 
     def run(self, coro, timeout: float = 20):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -127,19 +131,15 @@ def client(url: str, token: str | None = TOK_A, shm: bool = False, **kw) -> Remo
     return RemoteStore(RemoteConfig(url, token, shm=shm, **kw))
 
 
-def spawn_daemon(cfg: DaemonConfig, tmp: Path) -> subprocess.Popen:
-    data = {"store": {"dram_bytes": cfg.store.dram_bytes, "nvme_path": cfg.store.nvme_path,
-                      "nvme_bytes": cfg.store.nvme_bytes, "nvme_segment_bytes": cfg.store.nvme_segment_bytes},
-            "unix_path": cfg.unix_path,
-            "tenants": [{"name": t.name, "token": t.token, "quota_bytes": t.quota_bytes} for t in cfg.tenants]}
-    (tmp / "daemon.json").write_text(json.dumps(data))
+def spawn_daemon(cfg: Config, tmp: Path) -> subprocess.Popen:
+    (tmp / "daemon.json").write_text(cfg.model_dump_json(exclude_defaults=True))
     proc = subprocess.Popen([sys.executable, "-P", "-c", SERVE, str(tmp / "daemon.json")],
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            with client(f"unix://{cfg.unix_path}") as c:
+            with client(f"unix://{cfg.daemon.listen.unix_path}") as c:
                 c.ping()
             return proc
         except TierUnavailable:
@@ -245,7 +245,7 @@ def test_a_probe_over_the_wire_is_not_a_request(served):
         assert c.lookup(keys, followup=0.5).prefix_blocks == 3
         probed = c.lookup(keys, probe=True)
         assert probed.prefix_blocks == 3 and probed.tiers[:3] == ["dram"] * 3
-        s = raw_conn(served.daemon.config.unix_path)          # probe must be a bool
+        s = raw_conn(served.daemon.config.listen.unix_path)          # probe must be a bool
         s.sendall(frame(Op.LOOKUP, 2, {"keys": keys, "probe": 1}))
         _, status, meta = read_reply(s)
         assert status == STATUS_ERROR and "probe" in meta["message"], meta
@@ -264,7 +264,7 @@ def test_a_bad_followup_hint_is_a_typed_error_and_the_daemon_keeps_serving(serve
         with pytest.raises(InvalidHint):                    # refused by the client itself
             c.lookup(keys, followup=bad)
         # a client that sends it anyway gets the typed error from the daemon, on a live connection
-        s = raw_conn(served.daemon.config.unix_path)
+        s = raw_conn(served.daemon.config.listen.unix_path)
         s.sendall(frame(Op.LOOKUP, 2, {"keys": keys, "followup": bad}))
         _, status, meta = read_reply(s)
         assert status == STATUS_ERROR and meta["error"] == "InvalidHint", meta
@@ -302,8 +302,7 @@ def test_get_views_hands_over_each_batch_in_place(served, shm):
 
 def test_store_api_through_open_store(served, tmp_path):
     keys, blocks = blocks_for(11)
-    cfg = StoreConfig(daemon_url=served.url, daemon_token=TOK_A)
-    with open_store(cfg) as s:
+    with open_store({"store": {"remote": {"url": served.url, "token": TOK_A}}}) as s:
         assert isinstance(s, RemoteStore)
         assert s.put_async(IDENT, keys, blocks).result(10) == [PutOutcome.STORED] * 6
         s.pin(keys[:2], 30.0)
@@ -316,8 +315,10 @@ def test_store_api_through_open_store(served, tmp_path):
         assert s.lookup(keys).reasons[0] is MissReason.INVALIDATED
         with pytest.raises(InvalidBlock):
             s.invalidate(IDENT.namespace_tag)
-    with pytest.raises(ConfigError):
-        StoreConfig(daemon_url="http://nope")
+    with pytest.raises(ConfigError, match="store.remote.url"):
+        open_store({"store": {"remote": {"url": "http://nope"}}})
+    with pytest.raises(ConfigError, match="remote"):
+        open_store({"store": {"remote": {"url": served.url}, "dram": {"capacity_bytes": "1MiB"}}})
 
 
 # -- tenancy ----------------------------------------------------------------------------
@@ -345,7 +346,7 @@ def test_unauthenticated_clients_are_refused(served):
         client(served.url, "wrong-token-123").lookup([])
     with pytest.raises(AuthFailed):
         client(served.url, None).lookup([])
-    s = raw_conn(served.daemon.config.unix_path, token=None)
+    s = raw_conn(served.daemon.config.listen.unix_path, token=None)
     s.sendall(frame(Op.LOOKUP, 5, {"keys": []}))
     _, status, meta = read_reply(s)
     assert status == STATUS_ERROR and meta["error"] == "AuthFailed"
@@ -396,7 +397,7 @@ def test_metrics_and_health(served):
 
 # -- bad input on the wire ---------------------------------------------------------------------
 def test_bad_frames_close_the_connection_not_the_daemon(served):
-    path = served.daemon.config.unix_path
+    path = served.daemon.config.listen.unix_path
     cases = [
         b"XXXX" + pack_header(Op.PING, 1, 0, 0)[4:],                 # bad magic
         pack_header(Op.PING, 1, (64 << 20) + 1, 0),                   # metadata past what is read past
@@ -425,7 +426,7 @@ def test_disconnect_mid_request_leaves_no_reference(served):
         c.put(IDENT, keys, blocks)
     ident = json.dumps(IDENT.to_dict(), sort_keys=True, separators=(",", ":")).encode()
     # a PUT whose payload stops half way
-    s = raw_conn(served.daemon.config.unix_path)
+    s = raw_conn(served.daemon.config.listen.unix_path)
     s.sendall(frame(Op.PUT, 2, {"identity": ident, "keys": keys}, 6 * BB) + bytes(BB // 2))
     s.close()
     # a GET whose client leaves before reading the reply
@@ -438,7 +439,7 @@ def test_disconnect_mid_request_leaves_no_reference(served):
 
     store.aget_into = slow_get
     try:
-        s = raw_conn(served.daemon.config.unix_path)
+        s = raw_conn(served.daemon.config.listen.unix_path)
         s.sendall(frame(Op.GET, 3, {"identity": ident, "keys": keys}))
         time.sleep(0.1)
         s.close()
@@ -486,7 +487,7 @@ def test_graceful_drain_finishes_in_flight_requests(served):
 
 def test_restart_keeps_nvme_blocks_and_client_reconnects(tmp_path):
     cfg = daemon_config(tmp_path)
-    url = f"unix://{cfg.unix_path}"
+    url = f"unix://{cfg.daemon.listen.unix_path}"
     keys, blocks = blocks_for(71, n=12)   # more than DRAM holds: some land on NVMe by demotion
     proc = spawn_daemon(cfg, tmp_path)
     c = client(url, shm=True)
@@ -527,16 +528,19 @@ def test_tenant_quotas_hold_across_a_restart(tmp_path):
 
 
 def test_daemon_config_validation(tmp_path):
-    store = StoreConfig(dram_bytes=1 << 20)
-    with pytest.raises(ConfigError):
-        DaemonConfig(store=store)                          # nowhere to listen
-    with pytest.raises(ConfigError):
-        DaemonConfig(store=store, unix_path="/x", tenants=(TenantSpec("a", "short"),))
-    with pytest.raises(ConfigError):
-        DaemonConfig.from_dict({"store": {"dram_bytes": 1024}, "unix_path": "/x", "bogus": 1})
-    cfg = DaemonConfig.from_dict({"store": {"dram_bytes": "1MiB"}, "unix_path": "/x",
-                                  "tenants": [{"name": "t", "token": "12345678", "quota_bytes": "2MiB"}]})
-    assert cfg.tenants[0].quota_bytes == 2 << 20
+    with pytest.raises(ConfigError, match="daemon.listen"):
+        Config().check_servable()                          # nowhere to listen
+    with pytest.raises(ConfigError, match="store.remote"):
+        Config.from_dict({"store": {"remote": {"url": "unix:///x"}},
+                          "daemon": {"listen": {"unix_path": "/x"}}}).check_servable()
+    with pytest.raises(ConfigError, match=r"daemon.tenants\[0\].token"):
+        DaemonConfig(listen={"unix_path": "/x"}, tenants=({"name": "a", "token": "short"},))
+    with pytest.raises(ConfigError, match="daemon.bogus: unknown field"):
+        Config.from_dict({"daemon": {"listen": {"unix_path": "/x"}, "bogus": 1}})
+    cfg = Config.from_dict({"daemon": {"listen": {"unix_path": "/x"},
+                                       "tenants": [{"name": "t", "token": "12345678", "quota_bytes": "2MiB"}]}})
+    assert cfg.daemon.tenants[0].quota_bytes == 2 << 20
+    cfg.check_servable()
 
 
 def test_a_lookup_of_200000_keys_answers_as_the_in_process_store_does(served):
@@ -549,7 +553,7 @@ def test_a_lookup_of_200000_keys_answers_as_the_in_process_store_does(served):
         c.put(IDENT, keys[:5], blocks)
         before = (store.stats.lookups, store.stats.probes)
         remote = c.lookup(keys, followup=0.5)
-    with open_store(StoreConfig(dram_bytes=8 * BB)) as local:
+    with open_store({"store": {"dram": {"capacity_bytes": 8 * BB}}}) as local:
         local.put(IDENT, keys[:5], blocks)
         here = local.lookup(keys)
     assert remote.prefix_blocks == here.prefix_blocks == 5
@@ -562,7 +566,7 @@ def test_a_lookup_of_200000_keys_answers_as_the_in_process_store_does(served):
 def test_the_client_splits_batches_to_what_the_daemon_takes(tmp_path):
     """A client batching 1 GiB per request against a daemon that takes 64 KiB
     requests: it learns the limit from the daemon's HELLO and splits."""
-    from kvstore.daemon_limits import DaemonLimits
+    from kvstore.daemon.limits import DaemonLimits
     d = ThreadDaemon(daemon_config(tmp_path, limits=DaemonLimits(max_request_bytes=4 * BB)))
     try:
         keys, blocks = blocks_for(95, n=12)
@@ -579,7 +583,7 @@ def test_pins_that_expired_do_not_pile_up():
     """Pins with tiny TTLs, of keys nobody asks about again: each expires at
     once and is forgotten (they were dropped only when looked at: ~120 bytes a
     pin, without bound, in a daemon that a tenant pinned fresh keys in)."""
-    from kvstore.leases import Leases
+    from kvstore.store.leases import Leases
     now = [0.0]
     leases = Leases(lambda: now[0])
     for n in range(200):
@@ -597,7 +601,7 @@ def test_a_failure_admitting_one_peer_does_not_end_the_accept_loop(served, monke
     """Any exception while admitting a connection (a setsockopt that raised
     TypeError killed the accept task: the daemon stayed up and said ok while
     refusing everyone) costs that one connection only."""
-    import kvstore.daemon as daemon_mod
+    import kvstore.daemon.server as daemon_mod
     real, failed = daemon_mod.peer_credentials, []
 
     def once(sock):            # fault injection: the first admission fails unexpectedly
@@ -618,7 +622,7 @@ def test_a_peer_trickling_its_request_does_not_hold_up_a_drain(tmp_path):
     (or a reply not being read) is cut off at once."""
     d = ThreadDaemon(daemon_config(tmp_path, drain_timeout_s=30.0))
     try:
-        s = raw_conn(d.daemon.config.unix_path)
+        s = raw_conn(d.daemon.config.listen.unix_path)
         ident = json.dumps(IDENT.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         s.sendall(frame(Op.PUT, 2, {"identity": ident, "keys": blocks_for(99)[0]}, 6 * BB) + bytes(100))
         time.sleep(0.2)
@@ -635,7 +639,7 @@ def test_oversize_metadata_from_a_tenant_is_a_typed_error_on_a_live_connection(s
     """Past the frame's metadata limit (65,537 keys, say) a tenant gets a typed
     error and keeps its connection; the daemon reads past the body."""
     keys = [bytes([i % 251]) * 32 for i in range(2 * MAX_KEYS)]
-    s = raw_conn(served.daemon.config.unix_path)
+    s = raw_conn(served.daemon.config.listen.unix_path)
     s.sendall(frame_unchecked(Op.LOOKUP, 2, {"keys": keys}))
     _, status, meta = read_reply(s)
     assert status == STATUS_ERROR and meta["error"] == "InvalidKey" and "split" in meta["message"], meta

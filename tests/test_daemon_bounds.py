@@ -19,13 +19,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.daemon.protocol import STATUS_ERROR, Op, frame, pack_header
 from kvstore.errors import Overloaded
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
-from kvstore.protocol import STATUS_ERROR, Op, frame, pack_header
 from tests.served import Served
-from tests.test_daemon_isolation import IDENT, TOK_EVE, TOK_VICTIM, blocks_for, config, hello, ident_bytes, reply
+from tests.test_daemon_isolation import (
+    IDENT,
+    TOK_EVE,
+    TOK_VICTIM,
+    blocks_for,
+    config,
+    hello,
+    ident_bytes,
+    reply,
+    socket_path,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,7 +44,7 @@ BIG = CacheIdentity("bounds-model", KVLayout(num_layers=8, num_kv_heads=8, head_
 
 
 def health(d: Served) -> tuple[int, str]:
-    url = f"http://127.0.0.1:{d.config['metrics_port']}/health"
+    url = f"http://127.0.0.1:{d.config['daemon']['metrics']['port']}/health"
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.status, r.read().decode()
@@ -70,12 +80,12 @@ def test_an_unauthenticated_peer_gets_one_small_frame_and_a_few_seconds(tmp_path
                          pack_header(Op.PUT, 1, 20, 64 << 20),       # a PUT before any HELLO
                          pack_header(Op.HELLO, 1, 4000, 0)):         # a HELLO whose body never comes
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(d.config["unix_path"])
+                s.connect(socket_path(d))
                 s.sendall(head)
                 peers.append(s)
         silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
         for s in silent:
-            s.connect(d.config["unix_path"])
+            s.connect(socket_path(d))
         t0 = time.monotonic()
         assert all(closed_within(s, 5) for s in peers)
         assert all(closed_within(s, 5) for s in silent)
@@ -118,8 +128,8 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
     _raise_own_fd_limit(sockets + 200)
     cfg = config(tmp_path, limits={"auth_timeout_s": 2.0})
     if max_connections is not None:   # configured past the descriptors: nothing refuses before accept fails
-        cfg["max_connections"] = max_connections
-        cfg["limits"]["max_preauth_connections"] = max_connections
+        cfg["daemon"]["max_connections"] = max_connections
+        cfg["daemon"]["limits"]["max_preauth_connections"] = max_connections
     d = Served(tmp_path, TOK_VICTIM, config=cfg, nofile=nofile).start()
     held: list[socket.socket] = []
     try:
@@ -127,7 +137,7 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.setblocking(False)
             try:
-                s.connect(d.config["unix_path"])
+                s.connect(socket_path(d))
             except (BlockingIOError, ConnectionRefusedError, OSError):
                 pass
             held.append(s)
@@ -159,7 +169,7 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
 def test_one_request_for_the_same_block_many_times_is_bounded(tmp_path):
     """One connection asking for the same 512 KiB block 1,500 times grew the
     daemon's RSS from 72 MiB to 823 MiB: a request's bytes are bounded."""
-    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, store={"dram_bytes": "64MiB"})).start()
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, store={"dram": {"capacity_bytes": "64MiB"}})).start()
     try:
         key = block_keys(BIG, range(16))[0]
         with d.client(TOK_EVE) as eve:
@@ -213,7 +223,7 @@ def test_connections_per_tenant_are_capped(tmp_path):
         mine = [hello(d, TOK_EVE) for _ in range(3)]
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
-        s.connect(d.config["unix_path"])
+        s.connect(socket_path(d))
         s.sendall(frame(Op.HELLO, 1, {"token": TOK_EVE}))
         status, meta, _ = reply(s)
         assert status == STATUS_ERROR and meta["error"] == "Overloaded", meta
@@ -231,8 +241,8 @@ def test_connections_per_tenant_are_capped(tmp_path):
 def test_a_hung_redis_behind_the_daemon_costs_a_caller_under_a_second(tmp_path, redis_server_factory):
     """A Redis SIGSTOPped for 6 s made one caller wait 20 s."""
     server = redis_server_factory()
-    cfg = config(tmp_path, store={"dram_bytes": "64KiB", "nvme_bytes": 0, "nvme_path": None,
-                                  "redis_url": server.url, "redis_bytes": "64MiB"},
+    cfg = config(tmp_path, store={"dram": {"capacity_bytes": "64KiB"}, "nvme": None,
+                                  "redis": {"url": server.url, "capacity_bytes": "64MiB"}},
                  key_secret="a-fixed-secret-for-tests")
     d = Served(Path(tmp_path), TOK_VICTIM, config=cfg).start()
     try:
@@ -286,7 +296,7 @@ def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_p
     (65,536-key lookups on 4 connections held a PING for 100-330 ms)."""
     import threading
 
-    from kvstore.protocol import MAX_KEYS
+    from kvstore.daemon.protocol import MAX_KEYS
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     stop = threading.Event()
     try:

@@ -1,5 +1,5 @@
 """Acknowledged is durable: a real ``kvstore serve`` with
-``nvme_durability="fsync"``, killed with SIGKILL, on a disk that fills up
+``store.nvme.durability = "fsync"``, killed with SIGKILL, on a disk that fills up
 or turns read-only (issue 13, item 7).
 
 Under fsync a put is acknowledged (``stored`` / ``exists``) only once the
@@ -81,7 +81,8 @@ def verify(d: Served, token: str, acked: dict[int, PutOutcome]) -> None:
 def test_every_put_acknowledged_under_fsync_survives_sigkill(tmp_path):
     """The default policy puts into DRAM first; under fsync the put is also
     written through to NVMe and acknowledged only then."""
-    cfg = config(tmp_path, store={"nvme_durability": "fsync", "nvme_bytes": "256MiB", "dram_bytes": "16MiB"})
+    cfg = config(tmp_path, store={"nvme": {"durability": "fsync", "capacity_bytes": "256MiB"},
+                                  "dram": {"capacity_bytes": "16MiB"}})
     d = Served(tmp_path, TOK_VICTIM, config=cfg).start()
     try:
         results: list[dict] = [{}, {}]
@@ -118,8 +119,8 @@ def test_a_full_disk_answers_no_space_and_loses_nothing_acknowledged(tmp_path):
     a restart lose nothing that was acknowledged."""
     ns = MountNamespace(tmp_path / "disk", "48m")
     try:
-        cfg = config(tmp_path, store={"nvme_path": str(ns.path / "nvme"), "nvme_bytes": "256MiB",
-                                      "nvme_durability": "fsync", "dram_bytes": "8MiB"})
+        cfg = config(tmp_path, store={"nvme": {"path": str(ns.path / "nvme"), "capacity_bytes": "256MiB",
+                                               "durability": "fsync"}, "dram": {"capacity_bytes": "8MiB"}})
         d = Served(tmp_path, TOK_VICTIM, config=cfg, prefix=ns.prefix).start()
         try:
             acked = put_until(d, TOK_VICTIM, 1400, 16)
@@ -150,8 +151,8 @@ def test_read_only_segment_files_answer_unavailable_and_lose_nothing_acknowledge
     """The NVMe directory and its segment files turn read-only under a running
     daemon: puts answer unavailable (never stored); a SIGKILL and a restart
     (permissions back) lose nothing that was acknowledged."""
-    cfg = config(tmp_path, store={"nvme_bytes": "48MiB", "nvme_durability": "fsync",
-                                  "nvme_segment_bytes": "1MiB", "dram_bytes": "8MiB"})
+    cfg = config(tmp_path, store={"nvme": {"capacity_bytes": "48MiB", "durability": "fsync",
+                                           "segment_bytes": "1MiB"}, "dram": {"capacity_bytes": "8MiB"}})
     d = Served(tmp_path, TOK_VICTIM, config=cfg, prefix=drops_dac_override()).start()
     nvme = tmp_path / "nvme"
     try:

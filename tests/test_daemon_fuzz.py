@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.protocol import HEADER, MAGIC, VERSION, Op
+from kvstore.daemon.protocol import HEADER, MAGIC, VERSION, Op
 from tests.test_daemon import IDENT, TOK_A, TOK_B, ThreadDaemon, blocks_for, client, daemon_config
 
 FRAMES = int(os.environ.get("KVSTORE_FUZZ_FRAMES", "10000"))
@@ -123,7 +123,7 @@ def fuzzed(tmp_path_factory):
 
 
 def _limits():
-    from kvstore.daemon_limits import DaemonLimits
+    from kvstore.daemon.limits import DaemonLimits
     return DaemonLimits(auth_timeout_s=2.0, request_timeout_s=2.0, idle_timeout_s=30.0,
                         max_pins_per_tenant=10_000, max_request_bytes=8 << 20)
 
@@ -163,7 +163,7 @@ def play(path: str, mode: str, frames_: list[bytes]) -> int:
 
 def test_generated_frames_get_typed_answers_and_break_nothing(fuzzed):
     d, watch, (ckeys, cblocks) = fuzzed
-    path = d.daemon.config.unix_path
+    path = d.daemon.config.listen.unix_path
     sent = [0]
 
     @settings(max_examples=max(10, min(FRAMES // 10, 500)), deadline=None, database=None,

@@ -23,14 +23,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstore.daemon_config import DaemonConfig
-from kvstore.daemon_tenants import SECRET_NAME, TenantTable, load_key_secret
+from kvstore.config import Config
+from kvstore.config_load import merge
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.protocol import HEADER_SIZE, STATUS_ERROR, Op, frame, unpack_header
+from kvstore.daemon.shm import recv_exact_with_fds
+from kvstore.daemon.tenants import SECRET_NAME, TenantTable, load_key_secret
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
-from kvstore.protocol import HEADER_SIZE, STATUS_ERROR, Op, frame, unpack_header
 from kvstore.record import RecordHeader, checksum
-from kvstore.shm import recv_exact_with_fds
 from kvstore.tiers.segments import FRAME_HEAD_BYTES
 from tests.redis_server import free_port
 from tests.served import Served
@@ -43,18 +45,19 @@ BB = IDENT.layout.block_bytes                        # 16 KiB
 TOK_VICTIM, TOK_EVE = "victim-token-0001", "eve-token-000002"
 
 
-def config(tmp: Path, **over) -> dict:
-    cfg = {"store": {"dram_bytes": "8MiB", "nvme_path": str(tmp / "nvme"), "nvme_bytes": "64MiB",
-                     "nvme_segment_bytes": "4MiB"},
-           "unix_path": str(tmp / "kv.sock"), "metrics_port": free_port(),
-           "tenants": [{"name": "victim", "token": TOK_VICTIM},
-                       {"name": "eve", "token": TOK_EVE}]}
-    for k, v in over.items():
-        if k == "store":
-            cfg["store"].update(v)
-        else:
-            cfg[k] = v
-    return cfg
+def config(tmp: Path, store: dict | None = None, **daemon) -> dict:
+    """A config tree: DRAM + NVMe, two tenants; ``store`` and the ``daemon``
+    keywords are merged into those sections (a None drops a tier)."""
+    cfg = {"store": {"dram": {"capacity_bytes": "8MiB"},
+                     "nvme": {"path": str(tmp / "nvme"), "capacity_bytes": "64MiB", "segment_bytes": "4MiB"}},
+           "daemon": {"listen": {"unix_path": str(tmp / "kv.sock")}, "metrics": {"port": free_port()},
+                      "tenants": [{"name": "victim", "token": TOK_VICTIM},
+                                  {"name": "eve", "token": TOK_EVE}]}}
+    return merge(cfg, {"store": store or {}, "daemon": daemon})
+
+
+def socket_path(d: Served) -> str:
+    return d.config["daemon"]["listen"]["unix_path"]
 
 
 @pytest.fixture
@@ -74,7 +77,7 @@ def blocks_for(seed: int, n: int = 6) -> tuple[list, list[np.ndarray]]:
 def hello(d: Served, token: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    s.connect(d.config["unix_path"])
+    s.connect(socket_path(d))
     s.sendall(frame(Op.HELLO, 1, {"token": token}))
     assert reply(s)[0] == 0
     return s
@@ -256,7 +259,7 @@ import os, random, signal, sys, time
 import numpy as np
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
-from kvstore.remote import RemoteConfig, RemoteStore
+from kvstore.daemon.client import RemoteConfig, RemoteStore
 url, token, kills = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ident = CacheIdentity("isolation-model", KVLayout(2, 2, 64, 16, dtype="float16"))
 rng = random.Random(1)
@@ -302,14 +305,15 @@ def test_a_payload_posing_as_another_tenants_record_is_never_served(tmp_path):
     then tore its own append: after a restart the old recovery scan served
     its bytes to the victim as hits. The attacker here even knows the
     victim's server keys and owner tag (read from the daemon's secret)."""
-    cfg = config(tmp_path, store={"dram_bytes": 0})        # puts go straight to NVMe
+    cfg = config(tmp_path, store={"dram": None})        # puts go straight to NVMe
     d = Served(tmp_path, TOK_VICTIM, config=cfg).start()
     try:
         keys, blocks = blocks_for(4, n=2)
         stored, wanted = keys                               # one stored, one the victim will ask for
         with d.client(TOK_VICTIM) as victim:
             assert victim.put(IDENT, [stored], [blocks[0]]) == [PutOutcome.STORED]
-        table = TenantTable(DaemonConfig.from_dict(cfg), load_key_secret(DaemonConfig.from_dict(cfg)))
+        tree = Config.from_dict(cfg)
+        table = TenantTable(tree.daemon, load_key_secret(tree))
         ten = table.by_name["victim"]
         server_ident = IDENT.replace(cache_salt=ten.salt(""))
         evil = np.full(BB, 0x66, np.uint8)
@@ -357,10 +361,10 @@ def test_the_key_secret_is_random_private_and_kept_with_the_data(tmp_path):
             assert victim.lookup(keys).prefix_blocks == 6
         assert path.read_bytes().strip() == secret
         # what the keys would be with the old default (an empty secret): nowhere on disk
-        old = TenantTable(DaemonConfig.from_dict({**config(tmp_path), "key_secret": ""}), b"")
+        old = TenantTable(DaemonConfig.from_dict({**config(tmp_path)["daemon"], "key_secret": ""}), b"")
         disk = b"".join(p.read_bytes() for p in (tmp_path / "nvme").glob("*.seg"))
         assert old.by_name["victim"].server_key(keys[0]) not in disk
-        table = TenantTable(DaemonConfig.from_dict(config(tmp_path)), secret)
+        table = TenantTable(DaemonConfig.from_dict(config(tmp_path)["daemon"]), secret)
         assert table.by_name["victim"].server_key(keys[0]) in disk
     finally:
         d.close()
@@ -382,7 +386,7 @@ def test_metrics_name_no_tenant_bind_loopback_and_answer_a_tenant_about_itself(d
         assert "victim" not in mine and 'tenant="eve"' in mine
         assert "kvstore_hits_total" not in mine and "kvstore_tier_" not in mine
         assert "victim" not in json.dumps(eve.stats())
-    port = daemon.config["metrics_port"]
+    port = daemon.config["daemon"]["metrics"]["port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "victim" not in text and 'tenant="eve"' not in text
     assert 'kvstore_tenant_hits_total{tenant="t' in text
@@ -400,8 +404,8 @@ def test_a_quota_holds_across_sigkill_restarts(tmp_path):
     8 (the count was written only on a graceful stop). Usage is rebuilt from
     the records' owners on every start."""
     quota = 8
-    cfg = config(tmp_path, store={"nvme_durability": "fsync"})
-    cfg["tenants"][1]["quota_bytes"] = quota * BB
+    cfg = config(tmp_path, store={"nvme": {"durability": "fsync"}})
+    cfg["daemon"]["tenants"][1]["quota_bytes"] = quota * BB
     d = Served(tmp_path, TOK_EVE, config=cfg).start()
     try:
         for round_ in range(3):

@@ -4,9 +4,9 @@ import json
 import subprocess
 import sys
 
-from kvstore import demo
+from kvstore.bench import demo
 from kvstore.bench.workload import AgentWorkloadConfig, generate
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
 
 

@@ -1,13 +1,13 @@
-"""The planner alone: pure decisions, no bytes (kvstore.planner, kvstore.moves.net_effect)."""
+"""The planner alone: pure decisions, no bytes (kvstore.store.planner, kvstore.moves.net_effect)."""
 from __future__ import annotations
 
 import pytest
 
 from kvstore.errors import KVStoreError
-from kvstore.moves import net_effect
-from kvstore.planner import Cause, Kind, Move, Planner, TierPlan
 from kvstore.policies.eviction import LRU
 from kvstore.policies.placement import Cascade, HbmOnly, WriteThrough
+from kvstore.store.moves import net_effect
+from kvstore.store.planner import Cause, Kind, Move, Planner, TierPlan
 
 
 def plan_tiers(*caps, persistent=(), footprint=None):

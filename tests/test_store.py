@@ -13,8 +13,8 @@ from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
 from kvstore.policies.placement import Cascade
 from kvstore.policies.regime import RegimePlacement
 from kvstore.record import HEADER_BYTES, BlockSpec
-from kvstore.store import TieredStore
-from kvstore.sync import KVStore
+from kvstore.store.sync import KVStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier

@@ -13,7 +13,7 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
 from kvstore.record import HEADER_BYTES, BlockSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.memory import MemoryTier, YieldingMemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES

@@ -12,34 +12,29 @@ Threading: coroutine methods run on one event loop; copies run inline (a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Annotated, Iterator, Literal, Sequence
 
-from kvstore.errors import ConfigError
+from pydantic import Field
+
 from kvstore.hostmem import alloc_arena
 from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import BlockSpec, RecordHeader, check_layout, make_header
+from kvstore.schema import Section, Size
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.slab import SlabAllocator, slot_size
 
 DEFAULT_PAGE_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class DramConfig:
-    capacity_bytes: int
-    page_bytes: int = DEFAULT_PAGE_BYTES
-    pinned: str = "auto"          # auto | yes | no
-    name: str = "dram"
+class DramConfig(Section):
+    """The config tree's ``store.dram`` section."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 4096:
-            raise ConfigError(f"DRAM capacity_bytes must be an int >= 4096, got {self.capacity_bytes!r}")
-        if not isinstance(self.page_bytes, int) or self.page_bytes < 4096:
-            raise ConfigError(f"DRAM page_bytes must be an int >= 4096, got {self.page_bytes!r}")
-        if self.pinned not in ("auto", "yes", "no"):
-            raise ConfigError(f"pinned must be auto, yes or no, got {self.pinned!r}")
+    tree_path = "store.dram"
+    capacity_bytes: Annotated[Size, Field(ge=4096)]
+    page_bytes: Annotated[Size, Field(ge=4096)] = DEFAULT_PAGE_BYTES
+    pinned: Literal["auto", "yes", "no"] = "auto"
+    name: Annotated[str, Field(min_length=1)] = "dram"
 
 
 class DramTier(TierOps):

@@ -52,11 +52,12 @@ import concurrent.futures
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Annotated, Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
+from pydantic import Field, model_validator
 
-from kvstore.errors import ConfigError, InvalidBlock
+from kvstore.errors import InvalidBlock
 from kvstore.gpu import Backend, device_ref, select_backend
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
@@ -69,6 +70,7 @@ from kvstore.record import (
     check_layout,
     unpack_header,
 )
+from kvstore.schema import Int, Section, Size
 from kvstore.tiers.base import TierOps
 
 PAYLOAD_OFFSET = 256   # header + padding: the payload starts 256-aligned
@@ -79,32 +81,24 @@ def slot_bytes_for(block_bytes: int) -> int:
     return -(-(PAYLOAD_OFFSET + block_bytes) // SLOT_ALIGN) * SLOT_ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class HbmConfig:
-    capacity_bytes: int
-    block_bytes: int | None = None  # None: the first put's block size cuts the slots
-    device: str = "auto"          # auto | cuda | cpu
-    device_id: int = 0
-    staging_buffers: int = 4      # pinned buffers of one block each, for pageable host I/O
-    spin_us: int = 2000           # poll an event this long before parking a thread on it
-    name: str = "hbm"
+class HbmConfig(Section):
+    """The config tree's ``store.hbm`` section."""
 
-    def __post_init__(self) -> None:
-        for field_name in ("capacity_bytes", "block_bytes", "device_id", "staging_buffers", "spin_us"):
-            value = getattr(self, field_name)
-            if field_name == "block_bytes" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"HBM {field_name} must be a non-negative int, got {value!r}")
-        if self.block_bytes is not None and self.block_bytes < 1:
-            raise ConfigError("HBM block_bytes must be >= 1")
+    tree_path = "store.hbm"
+    capacity_bytes: Annotated[Size, Field(ge=1)]
+    block_bytes: Annotated[Size, Field(ge=1)] | None = None  # None: the first put's block size cuts the slots
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    device_id: Annotated[Int, Field(ge=0)] = 0
+    staging_buffers: Annotated[Int, Field(ge=1, le=64)] = 4   # pinned buffers of one block each, for pageable I/O
+    spin_us: Annotated[Int, Field(ge=0)] = 2000   # poll an event this long before parking a thread on it
+    name: Annotated[str, Field(min_length=1)] = "hbm"
+
+    @model_validator(mode="after")
+    def _holds_a_slot(self) -> HbmConfig:
         if self.capacity_bytes < slot_bytes_for(self.block_bytes or 1):
-            raise ConfigError(f"HBM capacity_bytes {self.capacity_bytes} holds no "
-                              f"{slot_bytes_for(self.block_bytes or 1)}-byte slot")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"HBM device must be auto, cuda or cpu, got {self.device!r}")
-        if not 1 <= self.staging_buffers <= 64:
-            raise ConfigError(f"HBM staging_buffers must be 1..64, got {self.staging_buffers}")
+            raise ValueError(f"capacity_bytes {self.capacity_bytes} holds no "
+                             f"{slot_bytes_for(self.block_bytes or 1)}-byte slot")
+        return self
 
 
 @dataclass(slots=True)

@@ -1,16 +1,18 @@
 """Configuration and counters of the Redis tier (:mod:`kvstore.tiers.redis`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
-from kvstore.errors import ConfigError
-from kvstore.tiers import compress
+from pydantic import Field, field_validator, model_validator
+
+from kvstore.schema import FINITE, Count, Flag, Int, Seconds, Section, Size
 
 
-@dataclass(frozen=True, slots=True)
-class RedisConfig:
-    """Configuration of one Redis (or Redis Cluster) tier. Validated on construction.
+class RedisConfig(Section):
+    """Configuration of one Redis (or Redis Cluster) tier: the config tree's
+    ``store.redis`` section.
 
     ``url``: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS).
     ``password`` / ``username`` override the URL's (kept out of ``repr``).
@@ -19,58 +21,52 @@ class RedisConfig:
     blocks per pipelined round trip on one connection.
     """
 
+    tree_path = "store.redis"
     url: str = "redis://127.0.0.1:6379/0"
-    capacity_bytes: int = 1 << 30
+    capacity_bytes: Annotated[Size, Field(ge=1)] = 1 << 30   # the share of the server this store may fill
     prefix: str = "kvs:"
-    cluster: bool = False
-    ttl_s: float | None = None
-    compression: str = "none"
-    max_connections: int = 32
-    parallel: int = 2
-    pipeline_blocks: int = 16
-    socket_timeout_s: float = 0.5      # one round trip (plus its bytes at min_bandwidth)
-    connect_timeout_s: float = 0.25
-    min_bandwidth: float = 100e6       # bytes/s: a bulk round trip may take its size at this rate
-    retries: int = 1
-    backoff_base_s: float = 0.01
-    down_backoff_cap_s: float = 0.5
-    rescan_on_open: bool = True
-    raw_sockets: bool = True  # False: data path over redis-py's streams (always for rediss://)
-    name: str = "redis"
-    username: str | None = field(default=None, repr=False)
-    password: str | None = field(default=None, repr=False)
+    cluster: Flag = False
+    ttl_s: Annotated[float, FINITE, Field(ge=0.001)] | None = None
+    compression: Literal["none", "lz4", "lz4-shuffle"] = "none"
+    max_connections: Count = 32
+    parallel: Count = 2
+    pipeline_blocks: Count = 16
+    socket_timeout_s: Seconds = 0.5      # one round trip (plus its bytes at min_bandwidth)
+    connect_timeout_s: Seconds = 0.25
+    min_bandwidth: Seconds = 100e6       # bytes/s: a bulk round trip may take its size at this rate
+    retries: Annotated[Int, Field(ge=0, le=10)] = 1
+    backoff_base_s: Seconds = 0.01
+    down_backoff_cap_s: Annotated[Seconds, Field(le=1.0)] = 0.5   # reconnect promptly
+    rescan_on_open: Flag = True
+    raw_sockets: Flag = True  # False: data path over redis-py's streams (always for rediss://)
+    name: Annotated[str, Field(min_length=1)] = "redis"
+    username: str | None = Field(default=None, repr=False)
+    password: str | None = Field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        parsed = urlparse(self.url) if isinstance(self.url, str) else None
-        if parsed is None or parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ConfigError(f"url must be redis:// or rediss://host:port, got {self.url!r}")
-        if self.cluster and parsed.path not in ("", "/", "/0"):
-            raise ConfigError("Redis Cluster has only database 0")
-        if not isinstance(self.prefix, str) or not self.prefix or any(
-                c.isspace() or c in "{}*?[]" for c in self.prefix):
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+            raise ValueError(f"must be redis:// or rediss://host:port (got {url!r})")
+        return url
+
+    @field_validator("prefix")
+    @classmethod
+    def _key_prefix(cls, prefix: str) -> str:
+        if not prefix or any(c.isspace() or c in "{}*?[]" for c in prefix):
             # braces would make a hash tag (every block on one cluster slot);
             # glob characters would break the SCAN pattern of drop_namespace.
-            raise ConfigError(f"prefix must be non-empty, without spaces, braces or glob "
-                              f"characters, got {self.prefix!r}")
-        for name in ("capacity_bytes", "max_connections", "parallel", "pipeline_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
-            raise ConfigError(f"retries must be an int in [0, 10], got {self.retries!r}")
-        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_base_s",
-                     "down_backoff_cap_s", "min_bandwidth"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if self.down_backoff_cap_s > 1.0:
-            raise ConfigError("down_backoff_cap_s must be <= 1 s (reconnect promptly)")
-        if self.ttl_s is not None and (not isinstance(self.ttl_s, (int, float))
-                                       or isinstance(self.ttl_s, bool) or self.ttl_s < 0.001):
-            raise ConfigError(f"ttl_s must be None or >= 0.001, got {self.ttl_s!r}")
-        compress.check_codec(self.compression)
+            raise ValueError(f"must be non-empty, without spaces, braces or glob characters (got {prefix!r})")
+        return prefix
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RedisConfig:
+        if self.cluster and urlparse(self.url).path not in ("", "/", "/0"):
+            raise ValueError("Redis Cluster has only database 0")
         if self.parallel > self.max_connections:
-            raise ConfigError("parallel must not exceed max_connections")
+            raise ValueError("parallel must not exceed max_connections")
+        return self
 
     @property
     def ttl_ms(self) -> int | None:

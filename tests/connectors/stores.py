@@ -13,12 +13,12 @@ from kvstore.errors import TierUnavailable
 from kvstore.outcomes import MissReason
 
 
-def make_store(dram_bytes: int = 256 << 20, **fields: Any):
-    """A blocking KVStore over a real DRAM tier (plus whatever ``fields`` add)."""
-    from kvstore.config import StoreConfig
+def make_store(dram_bytes: int = 256 << 20, **sections: Any):
+    """A blocking KVStore over a real DRAM tier (plus whatever ``sections`` of ``store`` add)."""
+    from kvstore.config import Config
     from kvstore.connectors._common import open_store
 
-    return open_store(StoreConfig(dram_bytes=dram_bytes, **fields))
+    return open_store(Config.from_dict({"store": {"dram": {"capacity_bytes": dram_bytes}, **sections}}))
 
 
 class CorruptOnRead:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstore.config import StoreConfig
+from kvstore.config import Config
 from kvstore.connectors._common import (
     FOLLOWUP_PARAM,
     StoreGuard,
@@ -14,12 +14,12 @@ from kvstore.connectors._common import (
     request_followup,
     shared_store,
 )
+from kvstore.daemon.client import RemoteStore
 from kvstore.errors import TierUnavailable
-from kvstore.facade import Store
-from kvstore.factory import open_store
 from kvstore.keys import BlockKey
-from kvstore.remote import RemoteStore
-from kvstore.sync import KVStore
+from kvstore.store.facade import Store
+from kvstore.store.factory import open_store
+from kvstore.store.sync import KVStore
 
 STORE_API = sorted(n for n in vars(Store) if not n.startswith("_") or n in ("__enter__", "__exit__"))
 DATA_CALLS = ("lookup", "put", "put_async", "get_into", "get_views", "get", "prefetch",
@@ -63,7 +63,8 @@ def test_every_facade_defines_the_whole_store_api(facade):
 def test_an_unopenable_store_answers_with_tier_unavailable_and_stays_usable(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    cfg = StoreConfig(dram_bytes=1 << 20, nvme_path=str(blocker / "nvme"), nvme_bytes=1 << 20)
+    cfg = Config.from_dict({"store": {"dram": {"capacity_bytes": "1MiB"},
+                                      "nvme": {"path": str(blocker / "nvme"), "capacity_bytes": "1MiB"}}})
     with caplog.at_level(logging.ERROR, logger="kvstore"):
         store = shared_store(cfg)
     assert isinstance(store, UnavailableStore) and isinstance(store, Store)
@@ -78,7 +79,7 @@ def test_an_unopenable_store_answers_with_tier_unavailable_and_stays_usable(tmp_
 
 
 def test_in_process_pin_returns_the_ttl_it_granted():
-    with open_store(StoreConfig(dram_bytes=1 << 20)) as store:
+    with open_store({"store": {"dram": {"capacity_bytes": "1MiB"}}}) as store:
         assert isinstance(store, Store)
         assert store.pin([BlockKey(b"k" * 16)], 30.0) == 30.0
         store.unpin([BlockKey(b"k" * 16)])

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.sglang
 PAGE, LAYERS, HEADS, DIM, SLOTS = 16, 3, 2, 32, 256
 EXTRA = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang",
          "class_name": "KVStoreHiCache", "interface_v1": 1,
-         "store": {"dram_bytes": "16MiB"}, "identity": {"model_revision": "r1"}}
+         "store": {"dram": {"capacity_bytes": "16MiB"}}, "identity": {"model_revision": "r1"}}
 
 
 class HostPool:

@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
                    timeout=300)
     server = RedisServer(tmp / "redis").start()
     try:
-        store = {"dram_bytes": 0, "redis_url": server.url}
+        store = {"redis": {"url": server.url}}
         conn = {"store": store, "identity": {"model_revision": "test"}}
         def gen(i, t, salt=None):
             return {"op": "generate", "id": i, "tokens": t, "salt": salt}
@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
                 {"op": "corrupt_redis", "url": server.url, "group_size": 3},
                 gen("C_corrupt", C, C_SALT), gen("C_again", C, C_SALT)]},
             {"name": "down", "connector": {**conn, "store": {
-                "dram_bytes": 0, "redis_url": f"redis://127.0.0.1:{free_port()}/0"}},
+                "redis": {"url": f"redis://127.0.0.1:{free_port()}/0"}}},
              "steps": [gen("A", A)]},
         ]}
         (tmp / "spec.json").write_text(json.dumps(spec))

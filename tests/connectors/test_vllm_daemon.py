@@ -2,7 +2,7 @@
 
 The engines run in the vLLM virtualenv through ``vllm_driver.run_engine``
 (as in test_vllm.py); their connector's store is only
-``{"daemon_url": "unix://...", "daemon_token": ...}``, so the scheduler's
+``{"store": {"remote": {"url": "unix://...", "token": ...}}}``, so the scheduler's
 lookups and the worker's loads and saves all go to the one daemon process.
 One runner process starts four engines one after another, each in a fresh
 EngineCore process:
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.daemon_proc import DaemonProc
+from kvstore.bench.daemon_proc import DaemonProc
 from tests.connectors.test_vllm import (
     BS,
     C_SALT,
@@ -128,9 +128,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_daemon")
     # DRAM holds everything, so until the restart no block is on NVMe
     daemon = DaemonProc(tmp / "daemon", TOKEN, store={
-        "dram_bytes": "64MiB", "nvme_bytes": "64MiB", "nvme_segment_bytes": "4MiB"})
+        "dram": {"capacity_bytes": "64MiB"}, "nvme": {"capacity_bytes": "64MiB", "segment_bytes": "4MiB"}})
     gate = tmp / "daemon-restarted"
-    conn = {"store": {"daemon_url": daemon.url, "daemon_token": TOKEN},
+    conn = {"store": {"remote": {"url": daemon.url, "token": TOKEN}},
             "identity": {"model_revision": "test"}}
     spec = {"model": str(tmp / "model"), "engines": [
         {"name": "plain", "connector": None, "steps": [gen("A", A), gen("C", C)]},

@@ -138,8 +138,8 @@ def test_spill_filter_compares_with_the_nvme_victim():
 
 def _model_ordered_decisions(reqs):
     from kvstore.bench.simulate import PlanReplay
-    from kvstore.planner import Planner, TierPlan
     from kvstore.policies.eviction import tier_orders
+    from kvstore.store.planner import Planner, TierPlan
     caps = {"hbm": 8, "dram": 16, "nvme": 32}
     cfg = RegimeConfig(thresholds=(4, 8, 16), tokens_per_key=1, window_s=1000)
     p = RegimePlacement(list(caps), cfg, capacities=caps, clock=lambda: 0.0)

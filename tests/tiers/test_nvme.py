@@ -118,8 +118,8 @@ def test_config_is_validated(tmp_path, bad):
 def test_config_is_frozen(tmp_path):
     c = NvmeConfig(tmp_path, 1 << 20)
     assert c.path == str(tmp_path) and c.segment_bytes == 64 << 20 and c.durability == "none"
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        c.capacity_bytes = 5
+    with pytest.raises(AttributeError, match="frozen"):
+        c.capacity_bytes = 5  # type: ignore[misc]
 
 
 def test_a_directory_is_held_by_one_tier(tmp_path):

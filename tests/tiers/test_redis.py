@@ -148,7 +148,7 @@ def test_large_blocks_round_trip_in_parallel_batches(redis_url):
 
 def test_the_tiers_own_counters_reach_the_store_snapshot(redis_url):
     """Reconnects and redirects (the tier's counters) used to stop at the tier."""
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
     async def body():
         tier = RedisTier(RedisConfig(url=redis_url, prefix="snap:"))

@@ -189,7 +189,7 @@ def test_an_outage_at_capacity_does_not_disable_the_tier(redis_server_factory):
     in Redis. Now the UNLINKs are owed and the ledger resyncs with the server."""
     from kvstore.identity import CacheIdentity, KVLayout
     from kvstore.keys import block_keys
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     from kvstore.tiers.memory import MemoryTier
 
     ident = CacheIdentity("m/outage", KVLayout(1, 1, 64, 64, dtype="float16"))
@@ -232,7 +232,7 @@ def test_after_an_outage_at_capacity_puts_alone_bring_the_tier_back(redis_server
     noticed it was back); now a put sends the owed UNLINKs first."""
     from kvstore.identity import CacheIdentity, KVLayout
     from kvstore.keys import block_keys
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
     ident = CacheIdentity("m/outage2", KVLayout(1, 1, 64, 64, dtype="float16"))
     keys = block_keys(ident, range(64 * 60))

@@ -5,7 +5,7 @@ Data flows one way: a connector or the daemon calls the store, the
 promoted, where a put goes), the :class:`~kvstore.moves.Executor` moves the
 bytes between tiers. Tiers are ordered fastest first (hbm, dram, nvme,
 redis). The async methods are the API; the sync facade in
-:mod:`kvstore.sync` runs them on a private event loop.
+:mod:`kvstore.store.sync` runs them on a private event loop.
 
 Where a block is comes from the tiers themselves (a lookup asks them); the
 planner's belief is corrected where they disagree (Redis expired a key,
@@ -31,15 +31,15 @@ from prometheus_client import CollectorRegistry, Histogram
 from kvstore.errors import InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
-from kvstore.leases import Leases
-from kvstore.moves import Applied, Executor, Held
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
-from kvstore.planner import Planner, TierPlan, extra_copies
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
+from kvstore.store.leases import Leases
+from kvstore.store.moves import Applied, Executor, Held
+from kvstore.store.planner import Planner, TierPlan, extra_copies
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")

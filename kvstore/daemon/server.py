@@ -13,18 +13,18 @@ does not take at once; the coroutine-per-connection form is also simpler).
 
 Bulk bytes on the same host can go through shared memory instead: the
 daemon makes a sealed segment per connection and passes its descriptor
-(``SHM_ATTACH``, :mod:`kvstore.shm`); a PUT or GET then moves each block
+(``SHM_ATTACH``, :mod:`kvstore.daemon.shm`); a PUT or GET then moves each block
 with one memcpy on each side.
 
 Trust: a peer is hostile until it authenticates, and a tenant is hostile
 to every other. Before HELLO a peer may send one small frame within
 ``auth_timeout_s``; after it, every connection, buffer, pin and request is
-bounded per tenant (:mod:`kvstore.daemon_limits`), idle connections are
+bounded per tenant (:mod:`kvstore.daemon.limits`), idle connections are
 closed, and the accept loop outlives running out of descriptors (it backs
 off, sheds the pending connection, and ``/health`` says degraded).
 
 Ownership: a request's buffers belong to its connection (see
-:mod:`kvstore.daemon_conn`). A client that disconnects mid-request leaves
+:mod:`kvstore.daemon.conn`). A client that disconnects mid-request leaves
 nothing behind: the store call runs to completion (its transfer refcounts
 are released in ``finally``) and only the reply is lost.
 """
@@ -42,13 +42,11 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 
-from kvstore.daemon_config import DaemonConfig
-from kvstore.daemon_conn import Conn
-from kvstore.daemon_metrics import MetricsServer, daemon_registry
-from kvstore.daemon_ops import Handlers, Reply
-from kvstore.daemon_tenants import Tenant, TenantTable, load_key_secret
-from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
-from kvstore.protocol import (
+from kvstore.config import Config
+from kvstore.daemon.conn import Conn
+from kvstore.daemon.metrics import MetricsServer, daemon_registry
+from kvstore.daemon.ops import Handlers, Reply
+from kvstore.daemon.protocol import (
     HEADER_SIZE,
     MAX_KEYS,
     MAX_META_BYTES,
@@ -60,8 +58,10 @@ from kvstore.protocol import (
     unpack_header,
     unpack_meta,
 )
-from kvstore.shm import peer_credentials, send_with_fds
-from kvstore.store import TieredStore
+from kvstore.daemon.shm import peer_credentials, send_with_fds
+from kvstore.daemon.tenants import Tenant, TenantTable, load_key_secret
+from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
+from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -76,11 +76,12 @@ class Daemon:
     """The server. ``await Daemon.start(cfg)`` opens the store and the
     listeners; ``await drain()`` stops it gracefully. Loop-bound."""
 
-    def __init__(self, config: DaemonConfig, store: TieredStore, key_secret: bytes,
+    def __init__(self, config: Config, store: TieredStore, key_secret: bytes,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
+        self.tree = config
+        self.config = config.daemon
         self.store = store
-        self.tenants = TenantTable(config, key_secret)
+        self.tenants = TenantTable(config.daemon, key_secret)
         self.clock = clock
         self.started = clock()
         self.draining = False
@@ -102,24 +103,25 @@ class Daemon:
         self.tcp_port: int | None = None
 
     @classmethod
-    async def start(cls, config: DaemonConfig, store: TieredStore | None = None) -> Daemon:
+    async def start(cls, config: Config, store: TieredStore | None = None) -> Daemon:
         """Open the store (unless given), count what each tenant holds, listen."""
         secret = load_key_secret(config)
         _raise_fd_limit()
         if store is None:
-            from kvstore.factory import build_store  # noqa: PLC0415 - imports every configured tier
-            store = await build_store(config.store)
+            from kvstore.store.factory import build_store  # noqa: PLC0415 - imports every configured tier
+            store = await build_store(config)
         self = cls(config, store, secret)
         counted = self.tenants.rebuild(store.iter_owners())
         try:
-            if config.unix_path:
-                self._listen(_unix_listener(config.unix_path, config.unix_mode), self._admit, _shed)
-            if config.tcp_port is not None:
-                sock = socket.create_server((config.tcp_host, config.tcp_port), reuse_port=False)
+            listen, metrics_at = config.daemon.listen, config.daemon.metrics
+            if listen.unix_path:
+                self._listen(_unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
+            if listen.tcp_port is not None:
+                sock = socket.create_server((listen.tcp_host, listen.tcp_port), reuse_port=False)
                 self.tcp_port = sock.getsockname()[1]
                 self._listen(sock, self._admit, _shed)
-            if config.metrics_port is not None:
-                sock = socket.create_server((config.metrics_host, config.metrics_port), reuse_port=False)
+            if metrics_at.port is not None:
+                sock = socket.create_server((metrics_at.host, metrics_at.port), reuse_port=False)
                 self.metrics = metrics = MetricsServer(sock, self)
                 # out of descriptors, a scrape is still served, on the spare one
                 self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
@@ -128,12 +130,12 @@ class Daemon:
             await store.aclose()
             raise
         log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s); %d stored blocks counted "
-                 "against %d tenants", config.unix_path, self.tcp_port,
+                 "against %d tenants", config.daemon.listen.unix_path, self.tcp_port,
                  self.metrics.port if self.metrics else None, counted, len(self.tenants.by_name))
         return self
 
     def tenant_label(self, tenant: Tenant) -> str:
-        return tenant.name if self.config.metrics_tenant_names else tenant.label
+        return tenant.name if self.config.metrics.tenant_names else tenant.label
 
     # -- health ------------------------------------------------------------------
     def degrade(self, reason: str) -> None:
@@ -395,9 +397,9 @@ class Daemon:
         await asyncio.gather(*self._accepts, return_exceptions=True)
         for sock in self._listeners:
             sock.close()
-        if self.config.unix_path:
+        if self.config.listen.unix_path:
             with contextlib.suppress(OSError):
-                os.unlink(self.config.unix_path)
+                os.unlink(self.config.listen.unix_path)
         if self.metrics is not None:
             await self.metrics.close()
 
@@ -501,17 +503,17 @@ def _raise_fd_limit() -> None:
                                                         else max(soft, 1 << 20), hard))
 
 
-def _connection_limit(config: DaemonConfig) -> int:
+def _connection_limit(config: Config) -> int:
     """``max_connections`` if configured, else what the descriptor limit leaves
     after the NVMe tier's segments and a reserve (at most 1024)."""
-    if config.max_connections is not None:
-        return config.max_connections
+    if config.daemon.max_connections is not None:
+        return config.daemon.max_connections
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    store = config.store
+    nvme = config.store.nvme
     segments = 0
-    if store.nvme_bytes:
-        seg = max(4096, min(store.nvme_segment_bytes, store.nvme_bytes // 4))
-        segments = store.nvme_bytes // seg + 2
+    if nvme is not None:
+        seg = max(4096, min(nvme.segment_bytes, nvme.capacity_bytes // 4))
+        segments = nvme.capacity_bytes // seg + 2
     return max(16, min(1024, soft - _open_fds() - segments - _FD_RESERVE))
 
 
@@ -523,7 +525,7 @@ def _open_fds() -> int:
 
 
 # -- entry point ------------------------------------------------------------------------
-def serve(config: DaemonConfig, ready: Callable[[Daemon], None] | None = None) -> None:
+def serve(config: Config, ready: Callable[[Daemon], None] | None = None) -> None:
     """Run the daemon until SIGTERM or SIGINT, then drain. Blocking; call
     from the main thread (signal handlers). ``ready`` runs once it listens."""
     async def main() -> None:

@@ -6,7 +6,7 @@ evicted to make room and whether it is demoted or dropped, what a hit
 promotes, what a prefetch or a shutdown flush copies. It returns
 :class:`Move` s and never touches bytes; the caller executes them:
 :class:`~kvstore.store.TieredStore` on real tiers (see
-:mod:`kvstore.moves`), the replay (:mod:`kvstore.bench.simulate`) on
+:mod:`kvstore.store.moves`), the replay (:mod:`kvstore.bench.simulate`) on
 nothing at all or on a real store. So the figures a replay publishes are the
 product's decisions, not a model of them.
 

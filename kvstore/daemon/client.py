@@ -1,6 +1,6 @@
 """RemoteStore: the daemon's client, with the same blocking API as
 :class:`kvstore.sync.KVStore`, so a connector runs in-process or against
-``kvstore serve`` by configuration alone (``StoreConfig(daemon_url=...)``).
+``kvstore serve`` by configuration alone (the tree's ``store.remote`` section).
 
 Threading: thread-safe. Each call borrows a connection from a small pool
 (opening one if none is idle), so calls from several threads run in
@@ -13,7 +13,7 @@ Bulk bytes: a PUT sends the caller's blocks as memoryviews with one
 ``sendmsg`` (no join); a GET receives each hit straight into its destination
 with ``recv_into``. Over a Unix socket (``shm=True``) the bytes go through a
 shared-memory segment instead: one memcpy here, one in the daemon. The
-daemon makes the segment and passes its descriptor (:mod:`kvstore.shm`); if
+daemon makes the segment and passes its descriptor (:mod:`kvstore.daemon.shm`); if
 it refuses one (the tenant's buffer budget), the connection goes on over
 the socket. Requests larger than the daemon's limits (bytes, keys) are
 split; a lookup split in parts counts as one request (the later parts are
@@ -36,18 +36,12 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from kvstore.config import StoreConfig
-from kvstore.errors import AuthFailed, ConfigError, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
-from kvstore.identity import CacheIdentity
-from kvstore.keys import BlockKey, check_key
-from kvstore.outcomes import MissReason, PutOutcome
-from kvstore.policies.base import check_followup
-from kvstore.protocol import (
+from kvstore.daemon.config import RemoteConfig
+from kvstore.daemon.protocol import (
     HEADER_SIZE,
     MAX_KEYS,
     MAX_META_BYTES,
@@ -59,33 +53,17 @@ from kvstore.protocol import (
     unpack_header,
     unpack_meta,
 )
+from kvstore.daemon.shm import is_sealed, populated_mmap, recv_exact_with_fds, unmap
+from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.policies.base import check_followup
 from kvstore.record import BlockSpec
-from kvstore.shm import is_sealed, populated_mmap, recv_exact_with_fds, unmap
-from kvstore.store import LookupResult
+from kvstore.store.tiered import LookupResult
 from kvstore.tiers.base import check_batch
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteConfig:
-    url: str
-    token: str | None = None
-    timeout_s: float = 30.0
-    shm: bool = True                     # shared memory for bulk bytes over a Unix socket
-    max_batch_bytes: int = 64 << 20      # larger batches go as several requests
-    max_idle: int = 8                    # pooled idle connections
-    workers: int = 4                     # threads for put_async / prefetch
-    socket_buffer_bytes: int = 4 << 20
-
-    def __post_init__(self) -> None:
-        parse_url(self.url)
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ConfigError("timeout_s must be positive")
-        for name in ("max_batch_bytes", "max_idle", "workers", "socket_buffer_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive int")
 
 
 @functools.lru_cache(maxsize=256)
@@ -242,13 +220,6 @@ class RemoteStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
         self._closed = False
         self._max_request: int | None = None    # the daemon's request limit, learnt from its HELLO
-
-    @classmethod
-    def from_store_config(cls, cfg: StoreConfig) -> RemoteStore:
-        if not cfg.daemon_url:
-            raise ConfigError("StoreConfig has no daemon_url")
-        return cls(RemoteConfig(url=cfg.daemon_url, token=cfg.daemon_token, timeout_s=cfg.daemon_timeout_s,
-                                shm=cfg.daemon_shm))
 
     # -- connections ------------------------------------------------------------
     def _acquire(self) -> tuple[_Connection, bool]:

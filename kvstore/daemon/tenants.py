@@ -38,7 +38,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvstore.daemon_config import ANONYMOUS, DaemonConfig, TenantSpec
+from kvstore.config import Config
+from kvstore.daemon.config import ANONYMOUS, DaemonConfig, TenantSpec
 from kvstore.errors import ConfigError, Overloaded
 from kvstore.keys import BlockKey
 
@@ -137,7 +138,7 @@ class TenantTable:
 
     def __init__(self, config: DaemonConfig, key_secret: bytes) -> None:
         base = hashlib.blake2b(key_secret, digest_size=32, person=b"kvstore-daemon").digest()
-        specs = config.tenants or (TenantSpec(ANONYMOUS, "anonymous-tenant", 0, admin=True),)
+        specs = config.tenants or (TenantSpec(name=ANONYMOUS, token="anonymous-tenant", admin=True),)
         self.anonymous = not config.tenants
         self._tokens = [(s.token.encode(), s.name) for s in specs]
         self.by_name: dict[str, Tenant] = {}
@@ -186,15 +187,15 @@ def _owner_tag(name: str, base: bytes) -> int:
     return tag or 1   # 0 means "no owner" (records of in-process stores)
 
 
-def load_key_secret(config: DaemonConfig) -> bytes:
+def load_key_secret(config: Config) -> bytes:
     """The daemon's key secret: ``key_secret`` if configured, else the one kept
     in the state directory (made at first start: 32 random bytes, mode 0600,
     written atomically), else a random one for this process's life."""
-    if config.key_secret:
-        return config.key_secret.encode()
+    if config.daemon.key_secret:
+        return config.daemon.key_secret.encode()
     state = config.state_path
     if state is None:
-        if config.store.redis_url:
+        if config.store.redis is not None:
             log.warning("no state directory and no key_secret: tenants' Redis blocks are unreachable "
                         "after a restart (set key_secret, or state_dir)")
         return secrets.token_bytes(32)

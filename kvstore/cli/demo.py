@@ -7,12 +7,16 @@ import tempfile
 from itertools import islice
 from typing import Awaitable
 
+import click
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvstore import demo
-from kvstore.store import TieredStore
+from kvstore.bench import demo as demo_run
+from kvstore.cli.common import SIZE, console
+from kvstore.cli.common import fail as _fail
+from kvstore.errors import KVStoreError
+from kvstore.store.tiered import TieredStore
 from kvstore.units import format_size
 
 
@@ -27,7 +31,7 @@ def _requests(working_set: int, duration: float, trace: str | None, seed: int, m
     return list(islice(reqs, max_requests)), block_tokens
 
 
-def _summary(res: demo.DemoResult, dram: int, nvme: int, path: str) -> Table:
+def _summary(res: demo_run.DemoResult, dram: int, nvme: int, path: str) -> Table:
     t = Table(title="kvstore demo: agent workload through DRAM + NVMe", show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -50,21 +54,22 @@ def _summary(res: demo.DemoResult, dram: int, nvme: int, path: str) -> Table:
 
 def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: str | None,
                  max_requests: int | None, dram_bytes: int, nvme_bytes: int, nvme_path: str | None,
-                 seed: int, json_path: str | None) -> demo.DemoResult:
-    from kvstore.config import StoreConfig  # noqa: PLC0415
-    from kvstore.factory import build_store  # noqa: PLC0415
+                 seed: int, json_path: str | None) -> demo_run.DemoResult:
+    from kvstore.config import Config  # noqa: PLC0415
+    from kvstore.store.factory import build_store  # noqa: PLC0415
 
     requests, block_tokens = _requests(working_set, duration, trace, seed, max_requests)
-    identity = demo.demo_identity(block_tokens)
+    identity = demo_run.demo_identity(block_tokens)
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
         path = nvme_path or tmp
-        cfg = StoreConfig(dram_bytes=dram_bytes, nvme_path=path, nvme_bytes=nvme_bytes)
+        cfg = Config.from_dict({"store": {"dram": {"capacity_bytes": dram_bytes},
+                                          "nvme": {"path": path, "capacity_bytes": nvme_bytes}}})
 
         def factory() -> Awaitable[TieredStore]:
             return build_store(cfg)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"replaying {len(requests):,} requests", total=len(requests))
-            res = demo.run(factory, requests, identity, lambda: progress.advance(task))
+            res = demo_run.run(factory, requests, identity, lambda: progress.advance(task))
         console.print(_summary(res, dram_bytes, nvme_bytes, path))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
@@ -72,3 +77,25 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
     if res.wrong_bytes:
         raise SystemExit(f"{res.wrong_bytes} wrong bytes were loaded: this is a bug, please report it")
     return res
+
+
+@click.command("demo")
+@click.option("--working-set", "working_set", default="400K", type=SIZE, show_default=True,
+              help="Sustained working set of the generated agent workload, in tokens.")
+@click.option("--duration", default=240.0, show_default=True, help="Simulated seconds of agent traffic.")
+@click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Replay a Mooncake-format JSONL trace instead of the generator.")
+@click.option("--max-requests", default=None, type=int, help="Stop after this many requests.")
+@click.option("--dram", "dram_bytes", default="64MiB", type=SIZE, show_default=True)
+@click.option("--nvme", "nvme_bytes", default="512MiB", type=SIZE, show_default=True)
+@click.option("--nvme-path", default=None, help="NVMe tier directory (default: a fresh temp dir).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+def demo(working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvme_path, seed, json_path) -> None:
+    """The main job: replay an agent workload through a DRAM + NVMe store, verify every hit."""
+    try:
+        run_demo_cli(console, working_set=working_set, duration=duration, trace=trace,
+                     max_requests=max_requests, dram_bytes=dram_bytes, nvme_bytes=nvme_bytes,
+                     nvme_path=nvme_path, seed=seed, json_path=json_path)
+    except KVStoreError as exc:
+        _fail(exc)

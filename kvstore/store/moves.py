@@ -1,6 +1,6 @@
 """The store's data plane: a planner's moves executed on real tiers.
 
-:class:`Executor` applies a plan (see :mod:`kvstore.planner`) as its net
+:class:`Executor` applies a plan (see :mod:`kvstore.store.planner`) as its net
 effect, in three batched phases per round:
 
 1. reads - the bytes of every block to be copied that the caller does not
@@ -39,10 +39,10 @@ import numpy as np
 
 from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.planner import Cause, Kind, Move, Planner
 from kvstore.policies.base import Key
 from kvstore.record import BlockSpec
 from kvstore.stats import StoreStats
+from kvstore.store.planner import Cause, Kind, Move, Planner
 from kvstore.tiers.base import Tier
 
 # a refusal falls down a tier or retries with twice the evictions (planner._RETRIES times at most)

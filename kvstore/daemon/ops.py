@@ -2,8 +2,8 @@
 metadata to a reply.
 
 Every field a client sends is checked here (through the helpers of
-:mod:`kvstore.protocol`) before it reaches the store, and every key is
-re-keyed into the tenant's namespace (:mod:`kvstore.daemon_tenants`): a
+:mod:`kvstore.daemon.protocol`) before it reaches the store, and every key is
+re-keyed into the tenant's namespace (:mod:`kvstore.daemon.tenants`): a
 handler never acts on a raw client key. Bad input raises a typed
 :class:`~kvstore.errors.KVStoreError`, which the server answers on the same
 connection. Loop only.
@@ -18,14 +18,9 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.daemon_conn import IDENTITY_CACHE, Conn
-from kvstore.daemon_metrics import render_metrics
-from kvstore.daemon_tenants import Tenant
-from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, Overloaded, ProtocolError
-from kvstore.identity import CacheIdentity
-from kvstore.keys import BlockKey, check_key
-from kvstore.outcomes import PutOutcome
-from kvstore.protocol import (
+from kvstore.daemon.conn import IDENTITY_CACHE, Conn
+from kvstore.daemon.metrics import render_metrics
+from kvstore.daemon.protocol import (
     MAX_IDENTITY_BYTES,
     MAX_KEYS,
     Op,
@@ -33,11 +28,16 @@ from kvstore.protocol import (
     bytes_field,
     keys_field,
 )
+from kvstore.daemon.shm import SEGMENT_THREAD, create_segment, round_to_pages, unmap_later
+from kvstore.daemon.tenants import Tenant
+from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, Overloaded, ProtocolError
+from kvstore.identity import CacheIdentity
+from kvstore.keys import BlockKey, check_key
+from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
-from kvstore.shm import SEGMENT_THREAD, create_segment, round_to_pages, unmap_later
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.daemon import Daemon
+    from kvstore.daemon.server import Daemon
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
@@ -268,7 +268,7 @@ class Handlers:
 
     async def _attach(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
         """A shared segment for this connection: made here, sealed, mapped on a
-        worker thread, its descriptor passed back (see :mod:`kvstore.shm`)."""
+        worker thread, its descriptor passed back (see :mod:`kvstore.daemon.shm`)."""
         if conn.sock.family != socket.AF_UNIX:
             raise KVStoreError("shared memory needs a Unix-socket connection")
         size = meta.get("size")

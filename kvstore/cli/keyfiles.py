@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstore.config import read_config_file
+from kvstore.config_load import read_document
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, MediaRef, block_keys
 
-_load = read_config_file    # every failure (unreadable, not UTF-8, not JSON, too deep) is a ConfigError
+_load = read_document    # every failure (unreadable, not UTF-8, not JSON, too deep) is a ConfigError
 
 
 def parse_extras(raw: object) -> list[list[MediaRef]]:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.daemon.client import RemoteConfig, RemoteStore
 from kvstore.errors import KVStoreError, TierUnavailable
-from kvstore.remote import RemoteConfig, RemoteStore
 
 SUN_PATH_MAX = 107          # bytes a Unix socket path may have (108 with the NUL)
 
@@ -31,8 +31,8 @@ SUN_PATH_MAX = 107          # bytes a Unix socket path may have (108 with the NU
 class DaemonProc:
     """One daemon's paths and, while it runs, its process. Not thread-safe.
 
-    ``store`` is the daemon's StoreConfig dict; its ``nvme_path`` defaults
-    to ``root/nvme``. The socket lives in ``root`` unless that path would be
+    ``store`` is the daemon's ``store`` section of the config tree; its
+    NVMe ``path`` defaults to ``root/nvme``. The socket lives in ``root`` unless that path would be
     too long for a Unix socket, then in a fresh short temporary directory.
     ``config`` (a whole daemon config dict) replaces what ``tenant`` and
     ``store`` would build; ``token`` is then the one ``start`` pings with.
@@ -50,15 +50,15 @@ class DaemonProc:
             sock = root / "kv.sock"
             if len(str(sock).encode()) > SUN_PATH_MAX:
                 sock = Path(tempfile.mkdtemp(prefix="kvs-")) / "kv.sock"
-            store = dict(store or {})
-            if store.get("nvme_bytes"):
-                store.setdefault("nvme_path", str(root / "nvme"))
+            store = {name: dict(section) for name, section in (store or {}).items()}
+            if "nvme" in store:
+                store["nvme"].setdefault("path", str(root / "nvme"))
             config = {"store": store,
-                      "unix_path": str(sock),
-                      # admin: the harness reads the whole store's counters (tier hits, ...)
-                      "tenants": [{"name": tenant, "token": token, "admin": True}]}
+                      "daemon": {"listen": {"unix_path": str(sock)},
+                                 # admin: the harness reads the whole store's counters (tier hits, ...)
+                                 "tenants": [{"name": tenant, "token": token, "admin": True}]}}
         self.config = config
-        self.url = f"unix://{config['unix_path']}"
+        self.url = f"unix://{config['daemon']['listen']['unix_path']}"
         self.config_path = root / "daemon.json"
         self.nofile = nofile
         self.prefix = list(prefix)
@@ -74,7 +74,7 @@ class DaemonProc:
 
     def client(self, token: str | None = None, *, timeout_s: float = 10.0, shm: bool = False,
                **kw: Any) -> RemoteStore:
-        return RemoteStore(RemoteConfig(self.url, token or self.token, timeout_s=timeout_s, shm=shm, **kw))
+        return RemoteStore(RemoteConfig(url=self.url, token=token or self.token, timeout_s=timeout_s, shm=shm, **kw))
 
     @property
     def pid(self) -> int:

@@ -7,8 +7,43 @@ import sys
 
 import click
 
-from kvstore.cli import SIZE, _fail, bench, console
+from kvstore import settings
+from kvstore.cli.common import SIZE, console
+from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks: tier throughput, trace replay, regime sweep."""
+
+
+@bench.command("tiers")
+@click.option("--tiers", default="dram,nvme", show_default=True, help="Comma list of hbm,dram,nvme,redis.")
+@click.option("--block-size", default="2MiB", type=SIZE, show_default=True)
+@click.option("--blocks", default=128, show_default=True, help="Blocks per repeat.")
+@click.option("--repeats", default=5, show_default=True)
+@click.option("--batch", default=16, show_default=True, help="Blocks per put_many/get_into_many call.")
+@click.option("--nvme-path", default=None, help="Directory for the NVMe tier (default: a temp dir).")
+@click.option("--redis-url", default=None, help="Redis URL for the redis tier (or KVSTORE_REDIS_URL).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--peer", type=click.Choice(["lmcache"]), default=None,
+              help="Also run a peer's own storage on the same blocks, as extra rows "
+                   "(lmcache: its LocalCPUBackend beside dram, LocalDiskBackend beside nvme).")
+@click.option("--peer-python", default=None, type=click.Path(dir_okay=False),
+              help="Interpreter that can import the peer (default: this one, else .venv-vllm/bin/python).")
+def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path, peer,
+                peer_python) -> None:
+    """Put/get GB/s per tier beside the raw limit measured in the same run."""
+    from kvstore.bench.tier_cli import run_tier_bench  # noqa: PLC0415
+
+    try:
+        run_tier_bench(console, tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
+                       block_bytes=block_size, blocks=blocks, repeats=repeats, batch=batch,
+                       nvme_path=nvme_path, redis_url=redis_url or settings.load().redis_url,
+                       json_path=json_path, argv=sys.argv, peer=peer, peer_python=peer_python)
+    except KVStoreError as exc:
+        _fail(exc)
 
 
 def _command() -> str:

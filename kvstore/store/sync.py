@@ -18,7 +18,7 @@ import numpy as np
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey
 from kvstore.outcomes import MissReason, PutOutcome
-from kvstore.store import LookupResult, TieredStore
+from kvstore.store.tiered import LookupResult, TieredStore
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ from kvstore.keys import BlockKey
 from kvstore.outcomes import MissReason, PutOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store import LookupResult
+    from kvstore.store.tiered import LookupResult
 
 Consume = Callable[[int, np.ndarray, list[MissReason | None]], None]
 

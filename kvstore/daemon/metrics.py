@@ -4,7 +4,7 @@ The series are the counters the store, its tiers and the tenants already
 keep: a custom collector (:class:`DaemonCollector`) reads them at scrape
 time into metric families, so nothing is counted twice. Beside it in the
 daemon's registry: the store's latency histograms (per tier and operation,
-:mod:`kvstore.store`) and the daemon's own request latency by opcode.
+:mod:`kvstore.store.tiered`) and the daemon's own request latency by opcode.
 Rejected: mirroring every counter into prometheus-client Counter objects
 (a second copy to keep in step with the first).
 
@@ -29,8 +29,8 @@ from kvstore.outcomes import MissReason
 from kvstore.stats import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from kvstore.daemon import Daemon
-    from kvstore.daemon_tenants import Tenant
+    from kvstore.daemon.server import Daemon
+    from kvstore.daemon.tenants import Tenant
 
 Rows = list[tuple[dict[str, str], float]]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 
 @dataclass(slots=True)

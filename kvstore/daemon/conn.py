@@ -14,10 +14,10 @@ import socket
 
 import numpy as np
 
-from kvstore.daemon_limits import DaemonLimits
-from kvstore.daemon_tenants import Tenant
+from kvstore.daemon.limits import DaemonLimits
+from kvstore.daemon.shm import unmap_later
+from kvstore.daemon.tenants import Tenant
 from kvstore.identity import CacheIdentity
-from kvstore.shm import unmap_later
 
 IDENTITY_CACHE = 64     # parsed identities per connection
 

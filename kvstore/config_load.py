@@ -1,0 +1,139 @@
+"""Reading the config tree (:mod:`kvstore.config`) from where users put it,
+in layers, later ones winning:
+
+1. the defaults;
+2. a file: TOML (``.toml``, and anything not ``.json``) or JSON (``.json``),
+   given explicitly or named by ``KVSTORE_CONFIG``;
+3. environment variables ``KVSTORE_<SECTION>_<FIELD>``, one per setting:
+   ``KVSTORE_STORE_NVME_CAPACITY_BYTES=200GiB``,
+   ``KVSTORE_POLICY_NAME=regime``, ``KVSTORE_DAEMON_LISTEN_UNIX_PATH=/run/kvstore.sock``
+   (a list or table as JSON: ``KVSTORE_POLICY_THRESHOLDS=[100000,250000,500000]``);
+4. what the caller passes: a dict (an engine's extra config, ``open_store``'s
+   argument) or command-line flags.
+
+Tables merge key by key; anything else replaces what a lower layer said.
+Every failure is a ConfigError naming the file, the variable or the path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from kvstore.config import Config
+from kvstore.errors import ConfigError
+from kvstore.schema import Section, section_type
+
+ENV_PREFIX = "KVSTORE_"
+ENV_FILE = "KVSTORE_CONFIG"
+_SECTIONS = tuple(Config.model_fields)          # store, policy, daemon
+
+
+def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    """The tree from a file (or ``$KVSTORE_CONFIG``), the environment and ``data``, in that order."""
+    env = os.environ if env is None else env
+    path = path if path is not None else env.get(ENV_FILE) or None
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = merge(tree, read_config_file(os.fspath(path)))
+    tree = merge(tree, env_tree(env))
+    if data is not None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: must be an object (got {type(data).__name__})")
+        tree = merge(tree, data)
+    return Config.from_dict(tree)
+
+
+def as_config(config: Config | Mapping[str, Any]) -> Config:
+    """A Config as given, or one loaded (with the environment under it) from a dict."""
+    return config if isinstance(config, Config) else load_config(data=config)
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A config file's tree: TOML, or JSON if the name ends in ``.json``."""
+    tree = read_document(path, "config", json_only=path.endswith(".json"))
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {path}: must be an object (a table), not {type(tree).__name__}")
+    return tree
+
+
+def read_document(path: str, what: str, *, json_only: bool = True) -> Any:
+    """A JSON (or TOML) file's contents; every way it can fail is a
+    ConfigError naming the file (unreadable, not UTF-8, not parseable, nested too deep)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        return json.loads(text) if json_only else tomllib.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: {exc}"[:500]) from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to be a config") from None
+    except ValueError as exc:   # JSONDecodeError, TOMLDecodeError, integers too long to convert
+        kind = "JSON" if json_only else "TOML (name the file .json for JSON)"
+        raise ConfigError(f"{what} {path} is not valid {kind}: {exc}"[:500]) from None
+
+
+# -- environment --------------------------------------------------------------------------
+def env_tree(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``KVSTORE_STORE_*``, ``KVSTORE_POLICY_*`` and ``KVSTORE_DAEMON_*`` as a tree.
+    Other ``KVSTORE_`` variables (the log level, the benchmarks' cache) are not the tree's."""
+    tree: dict[str, Any] = {}
+    for name in sorted(env):
+        rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else ""
+        if not rest.startswith(tuple(s + "_" for s in _SECTIONS)):
+            continue
+        path = _env_path(Config, rest)
+        if path is None:
+            raise ConfigError(f"{name}: no such setting (the tree's variables are "
+                              f"{ENV_PREFIX}<SECTION>_<FIELD>, e.g. KVSTORE_STORE_DRAM_CAPACITY_BYTES)")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _env_value(env[name])
+    return tree
+
+
+def _env_path(model: type[Section], rest: str) -> list[str] | None:
+    """``store_nvme_capacity_bytes`` -> [store, nvme, capacity_bytes], by the tree's field names
+    (longest first, so ``segment_bytes`` is not read as a section ``segment``)."""
+    for field in sorted(model.model_fields, key=len, reverse=True):
+        if rest == field:
+            return [field]
+        if rest.startswith(field + "_"):
+            sub = section_type(model.model_fields[field].annotation)
+            if sub is not None and not _is_list(model.model_fields[field].annotation):
+                tail = _env_path(sub, rest[len(field) + 1:])
+                if tail is not None:
+                    return [field, *tail]
+    return None
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is tuple
+
+
+def _env_value(text: str) -> Any:
+    """JSON for a list or a table; anything else as the string it is (the model converts it)."""
+    stripped = text.strip()
+    if stripped[:1] in ("[", "{"):
+        try:
+            return json.loads(stripped)
+        except ValueError as exc:
+            raise ConfigError(f"not valid JSON: {stripped[:60]!r}: {exc}") from None
+    return text

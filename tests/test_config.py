@@ -1,0 +1,115 @@
+"""The one configuration tree: the README's example file, TOML and JSON,
+environment variables, layering, and errors that name the path."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import Config
+from kvstore.config_load import env_tree, load_config
+from kvstore.errors import ConfigError
+from kvstore.store.factory import open_store
+from kvstore.tiers.nvme_config import NvmeConfig
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kvstore.toml"
+
+
+def test_the_example_file_loads_and_says_what_the_readme_says():
+    cfg = load_config(EXAMPLE, env={})
+    assert cfg.store.tiers() == ["dram", "nvme"]
+    assert cfg.store.dram.capacity_bytes == 8 << 30 and cfg.store.nvme.capacity_bytes == 200 << 30
+    assert cfg.store.nvme.durability == "fsync" and cfg.policy.name == "default"
+    assert cfg.daemon.listen.unix_mode == 0o660 and cfg.daemon.metrics.port == 9100
+    assert [t.name for t in cfg.daemon.tenants] == ["teamA", "ops"] and cfg.daemon.tenants[1].admin
+    assert cfg.daemon.tenants[0].quota_bytes == 50 << 30 and cfg.daemon.tenants[0].uids == (1001,)
+    assert cfg.daemon.limits.max_request_bytes == 256 << 20
+    cfg.check_servable()
+    assert "token-team-a-1" not in repr(cfg)              # secrets stay out of logs
+
+
+def test_every_field_of_the_tree_is_in_the_example_or_documented_in_the_readme():
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    example = EXAMPLE.read_text()
+    missing = []
+
+    def walk(model, path):
+        for name, field in model.model_fields.items():
+            sub = _section(field.annotation)
+            if sub is not None:
+                walk(sub, f"{path}.{name}" if path else name)
+            elif name not in example and f"`{name}`" not in readme:
+                missing.append(f"{path}.{name}")
+    walk(Config, "")
+    assert missing == []
+
+
+def _section(annotation):
+    from kvstore.schema import section_type
+    return section_type(annotation)
+
+
+def test_json_is_accepted_and_means_the_same_tree(tmp_path):
+    toml = load_config(EXAMPLE, env={})
+    path = tmp_path / "kvstore.json"
+    path.write_text(toml.model_dump_json())
+    assert load_config(path, env={}) == toml
+
+
+def test_layers_defaults_file_environment_then_the_callers_values(tmp_path):
+    env = {"KVSTORE_STORE_DRAM_CAPACITY_BYTES": "2GiB", "KVSTORE_POLICY_NAME": "regime",
+           "KVSTORE_POLICY_THRESHOLDS": "auto", "KVSTORE_DAEMON_LISTEN_TCP_PORT": "7070",
+           "KVSTORE_STORE_NVME_SEGMENT_BYTES": "8MiB", "KVSTORE_LOG_LEVEL": "DEBUG"}
+    cfg = load_config(EXAMPLE, data={"policy": {"hysteresis": 0.2}}, env=env)
+    assert cfg.store.dram.capacity_bytes == 2 << 30           # the environment over the file
+    assert cfg.store.dram.pinned == "auto" and cfg.store.nvme.path == "/var/lib/kvstore"   # tables merge
+    assert cfg.store.nvme.segment_bytes == 8 << 20
+    assert (cfg.policy.name, cfg.policy.thresholds, cfg.policy.hysteresis) == ("regime", "auto", 0.2)
+    assert cfg.daemon.listen.tcp_port == 7070
+    over = load_config(EXAMPLE, data={"store": {"dram": {"capacity_bytes": "1GiB"}}}, env=env)
+    assert over.store.dram.capacity_bytes == 1 << 30           # the caller over the environment
+    assert load_config(env={"KVSTORE_CONFIG": str(EXAMPLE)}).daemon.metrics.port == 9100
+
+
+def test_environment_variables_name_themselves_when_wrong():
+    with pytest.raises(ConfigError, match="KVSTORE_STORE_DRAM_SIZE: no such setting"):
+        env_tree({"KVSTORE_STORE_DRAM_SIZE": "1GiB"})
+    with pytest.raises(ConfigError, match=r"store\.dram\.capacity_bytes: not a size"):
+        load_config(env={"KVSTORE_STORE_DRAM_CAPACITY_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        env_tree({"KVSTORE_POLICY_THRESHOLDS": "[1, 2"})
+    assert env_tree({"KVSTORE_REDIS_URL": "redis://x", "KVSTORE_TEST_STRICT": "1"}) == {}
+
+
+def test_a_section_built_in_python_is_validated_like_a_file():
+    with pytest.raises(ConfigError, match=r"store\.nvme\.capacity_bytes: must be >= 4096 \(got 100\)"):
+        NvmeConfig(path="/x", capacity_bytes=100)
+    cfg = NvmeConfig(path="/x", capacity_bytes="1MiB")
+    with pytest.raises(AttributeError):
+        cfg.capacity_bytes = 5  # type: ignore[misc]
+    assert cfg.replace(durability="fsync").durability == "fsync"
+    with pytest.raises(ConfigError, match="durability"):
+        cfg.replace(durability="sometimes")
+
+
+def test_open_store_takes_a_dict_of_the_tree(tmp_path):
+    with open_store({"store": {"dram": {"capacity_bytes": "4MiB"},
+                               "nvme": {"path": str(tmp_path), "capacity_bytes": "16MiB"}},
+                     "policy": {"name": "write-through"}}) as s:
+        assert list(s.stats()["tiers"]) == ["dram", "nvme"]
+
+
+def test_serve_reads_a_toml_config_and_names_the_bad_path(tmp_path):
+    bad = tmp_path / "kvstore.toml"
+    bad.write_text('[store.nvme]\npath = "/tmp/x"\ncapacity_bytes = -1\n[daemon.listen]\nunix_path = "/tmp/s"\n')
+    r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "store.nvme.capacity_bytes" in r.stderr and "Traceback" not in r.stderr
+    nowhere = tmp_path / "nowhere.json"
+    nowhere.write_text(json.dumps({"store": {"dram": {"capacity_bytes": "1MiB"}}}))
+    r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(nowhere)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "daemon.listen" in r.stderr
