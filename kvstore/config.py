@@ -20,7 +20,7 @@ from kvstore.schema import Count, Fraction, Seconds, Section
 from kvstore.tiers.dram import DramConfig
 from kvstore.tiers.hbm import HbmConfig
 from kvstore.tiers.nvme_config import NvmeConfig
-from kvstore.tiers.redis_config import RedisConfig
+from kvstore.tiers.redis.config import RedisConfig
 
 TIERS = ("hbm", "dram", "nvme", "redis")    # fastest first: the store's tier order
 DEFAULT_DRAM_BYTES = 1 << 30                # the store when no tier is configured at all

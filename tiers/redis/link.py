@@ -19,12 +19,12 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from kvstore.tiers.redis_config import RedisConfig, RedisCounters
-from kvstore.tiers.redis_wire import (
+from kvstore.tiers.redis.breaker import Breaker
+from kvstore.tiers.redis.config import RedisConfig, RedisCounters
+from kvstore.tiers.redis.wire import (
     DOWN,
     NET_ERRORS,
     REDIRECT,
-    Breaker,
     ErrorReply,
     FramingError,
     RawConnection,

@@ -9,7 +9,7 @@ Client. redis-py asyncio (hiredis parser) owns URL parsing (``redis://``,
 ``rediss://``, AUTH user/password, db), the cluster slot map
 (``redis.asyncio.cluster.RedisCluster``), SCAN and the rare MOVED/ASK redo.
 The data path (SET/GET/EXISTS/UNLINK/GETRANGE, pipelined) speaks RESP itself
-over :class:`~kvstore.tiers.redis_wire.RawConnection` (``loop.sock_*`` on a
+over :class:`~kvstore.tiers.redis.wire.RawConnection` (``loop.sock_*`` on a
 plain socket; redis-py's streams for ``rediss://``), because redis-py copies
 bulk values several times (measured, 2 MiB blocks, same run):
 
@@ -52,9 +52,9 @@ bytes it cannot evict.
 
 Layout. This module is the tier: data path, ledger, resync. Connections,
 breakers, bounded attempts and per-node dispatch are its
-:class:`~kvstore.tiers.redis_link.RedisLink`; RESP framing, the breaker and
-the ledger are in :mod:`~kvstore.tiers.redis_wire`; the config in
-:mod:`~kvstore.tiers.redis_config`.
+:class:`~kvstore.tiers.redis.link.RedisLink`; RESP framing, the breaker and
+the ledger are in :mod:`~kvstore.tiers.redis.wire`; the config in
+:mod:`~kvstore.tiers.redis.config`.
 
 Threading: all methods are coroutines for one event loop; not thread-safe.
 """
@@ -81,20 +81,20 @@ from kvstore.record import (
 )
 from kvstore.tiers import compress
 from kvstore.tiers.base import TierOps, check_batch
-from kvstore.tiers.redis_config import RedisConfig, RedisCounters
-from kvstore.tiers.redis_link import RedisLink
-from kvstore.tiers.redis_wire import (
+from kvstore.tiers.redis.config import RedisConfig, RedisCounters
+from kvstore.tiers.redis.ledger import Ledger
+from kvstore.tiers.redis.link import RedisLink
+from kvstore.tiers.redis.wire import (
     DOWN,
     FOREIGN,
     NET_ERRORS,
-    Ledger,
     get_frame,
     put_reply,
     read_record,
     set_frames,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.tiers.redis")
 SCAN_BATCH = 512
 
 class RedisTier(TierOps):

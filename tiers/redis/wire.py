@@ -1,16 +1,12 @@
-"""Wire helpers of the Redis tier: RESP framing, record reading, ledger, breaker.
-
-Split from :mod:`kvstore.tiers.redis` to keep modules small. Everything here
-is pure bookkeeping or works on an ``asyncio.StreamReader`` /
+"""The Redis tier's wire: RESP framing, reply classification and record
+reading over a raw socket connection. Everything here is pure or works on an ``asyncio.StreamReader`` /
 ``StreamWriter`` pair that the caller owns; nothing here opens connections.
 Not thread-safe (one event loop).
 """
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
-from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
@@ -36,90 +32,6 @@ NET_ERRORS = (RedisError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutE
 TRANSIENT = (b"-LOADING", b"-CLUSTERDOWN", b"-TRYAGAIN", b"-MASTERDOWN", b"-READONLY",
              b"-BUSY")
 READ_CHUNK = 1 << 20
-
-
-class Breaker:
-    """Fail fast while the server is down; allow one try after each backoff."""
-
-    def __init__(self, clock: Callable[[], float], base: float, cap: float) -> None:
-        self.clock, self.base, self.cap = clock, base, cap
-        self.failures = 0
-        self.open_until = 0.0
-
-    def allow(self) -> bool:
-        return self.clock() >= self.open_until
-
-    @property
-    def down(self) -> bool:
-        return self.failures > 0
-
-    def failure(self, *, hung: float = 0.0) -> None:
-        """A call failed; ``hung``: it timed out after that many seconds (the
-        server is there but does not answer), so the breaker opens at once for
-        the cap, and at least twice that timeout: a caller making a few calls in
-        a row then meets one timeout, not one per call."""
-        self.failures += 1
-        backoff = max(self.cap, 2 * hung) if hung else min(self.cap, self.base * 2 ** (self.failures - 1))
-        self.open_until = self.clock() + backoff
-
-    def success(self) -> bool:
-        """Record a success; True if this ends an outage."""
-        was_down = self.failures > 0
-        self.failures, self.open_until = 0, 0.0
-        return was_down
-
-
-class Ledger:
-    """The tier's own account of its records: name -> record bytes (and the
-    record's owner and raw length, for the daemon's quotas), with TTL expiry."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.sizes: dict[BlockKey, int] = {}
-        self.owners: dict[BlockKey, tuple[int, int]] = {}   # key -> (owner, raw_len)
-        self.expiry: dict[BlockKey, float] = {}
-        self._heap: list[tuple[float, BlockKey]] = []
-        self.used = 0
-        self._watched: set[BlockKey] | None = None
-
-    def watch(self) -> None:
-        """Start noting the keys added (a resync must not drop them)."""
-        self._watched = set()
-
-    def unwatch(self) -> set[BlockKey]:
-        added, self._watched = self._watched or set(), None
-        return added
-
-    def purge(self) -> None:
-        now = self.clock()
-        while self._heap and self._heap[0][0] <= now:
-            when, key = heapq.heappop(self._heap)
-            if self.expiry.get(key) == when:
-                self.remove(key)
-
-    def add(self, key: BlockKey, nbytes: int, ttl_s: float | None, owner: int = 0,
-            raw_len: int = 0) -> None:
-        self.remove(key)
-        self.sizes[key] = nbytes
-        self.owners[key] = (owner, raw_len)
-        self.used += nbytes
-        if self._watched is not None:
-            self._watched.add(key)
-        if ttl_s is not None:
-            when = self.clock() + ttl_s
-            self.expiry[key] = when
-            heapq.heappush(self._heap, (when, key))
-
-    def remove(self, key: BlockKey) -> None:
-        nbytes = self.sizes.pop(key, None)
-        if nbytes is not None:
-            self.used -= nbytes
-        self.owners.pop(key, None)
-        self.expiry.pop(key, None)
-
-    def holds(self, key: BlockKey) -> bool:
-        self.purge()
-        return key in self.sizes
 
 
 class FramingError(Exception):
