@@ -303,6 +303,14 @@ class RegimePlacement:
     """Placement by regime over the store's ordered tiers (names: ``hbm``,
     ``dram``, ``nvme``, ``redis``; absent tiers are skipped).
 
+    Without an ``hbm`` tier of its own (the store under vLLM or SGLang,
+    and the daemon's: the engine's prefix cache is HBM) every put is an
+    engine's save of a block its own cache holds, so the regime decides
+    whether to keep it (``put_targets``): HBM_ONLY declines it (the engine
+    serves what fits its cache itself), WATCH keeps it only with reuse
+    evidence, DRAM and SPILL keep it in DRAM. ``capacities["hbm"]`` is then
+    the engine's cache in tokens (``set_capacity`` when the engine reports it).
+
     ``capacities`` (tokens per tier) are needed only by ``mode="auto"``;
     ``load_beats_recompute(tier_name) -> bool`` comes from the cost model
     (or measured bandwidths) and, in auto mode, rules out slow tiers.
@@ -317,15 +325,16 @@ class RegimePlacement:
         self.config = config
         self._clock = clock
         roles = [config.tier_roles.get(t, "l3") for t in self.tiers]
-        if "hbm" not in roles:
-            raise ConfigError("RegimePlacement needs an 'hbm' tier (the engine's own cache)")
         usable = load_beats_recompute if config.mode == "auto" and load_beats_recompute else None
-        self._hbm = roles.index("hbm")
+        self._hbm: int | None = roles.index("hbm") if "hbm" in roles else None   # None: the engine's
         self._dram = next((i for i, r in enumerate(roles) if r == "dram"
                            and (usable is None or usable(self.tiers[i]))), None)
         self._l3 = [i for i, r in enumerate(roles) if r == "l3"
                     and (usable is None or usable(self.tiers[i]))]
-        self.thresholds = (auto_thresholds(capacities or {}) if config.mode == "auto"
+        if self._hbm is None and self._dram is None and not self._l3:
+            raise ConfigError("RegimePlacement needs a tier to place blocks in")
+        self._capacities = dict(capacities or {})
+        self.thresholds = (auto_thresholds(self._capacities) if config.mode == "auto"
                            else tuple(config.thresholds))
         self._ws = WorkingSetEstimator(WorkingSetConfig(window_s=config.window_s,
                                                         tokens_per_key=config.tokens_per_key),
@@ -337,8 +346,8 @@ class RegimePlacement:
                       for i, t in enumerate(self.tiers)} if capacities else {}
         self.regime = config.initial
         self._timeline: list[dict] = []
-        self._counts = {"writebacks": 0, "dropped": 0, "spills": 0, "spill_filtered": 0,
-                        "promotions": 0}
+        self._counts = {"writebacks": 0, "saves_declined": 0, "dropped": 0, "spills": 0,
+                        "spill_filtered": 0, "promotions": 0}
         self._last_ws = 0
         self._last_now = 0.0
 
@@ -371,8 +380,31 @@ class RegimePlacement:
         return Regime(r)
 
     # -- decisions -----------------------------------------------------
+    def set_capacity(self, tier: str, tokens: int) -> None:
+        """A tier's capacity in tokens (``hbm``: the engine's cache, as its
+        connector reports it); ``auto`` thresholds follow it."""
+        self._capacities[tier] = max(0, int(tokens))
+        if self.config.mode == "auto":
+            self.thresholds = auto_thresholds(self._capacities)
+
     def put_targets(self, key: Hashable) -> list[int]:
-        return [self._hbm]
+        if self._hbm is not None:
+            return [self._hbm]
+        # an engine's save: its own cache holds the block; keep a copy only
+        # where this regime would have written the HBM eviction back
+        first = self._dram if self._dram is not None else (self._l3[0] if self._l3 else None)
+        r = self.regime
+        if first is None or r == Regime.HBM_ONLY:
+            self._counts["saves_declined"] += 1
+            return []
+        if r == Regime.WATCH and self._freq.estimate(key) < self.config.reuse_min_count:
+            self._counts["saves_declined"] += 1
+            return []
+        if first != self._dram and r != Regime.SPILL:
+            self._counts["saves_declined"] += 1
+            return []     # no DRAM: only the highest regime writes to a slow tier
+        self._counts["writebacks"] += 1
+        return [first]
 
     def on_evict(self, key: Hashable, from_tier: int) -> int | None:
         r = self.regime
@@ -452,8 +484,8 @@ class RegimePlacement:
         return None
 
     def on_hit(self, key: Hashable, tier: int) -> int | None:
-        if tier == self._hbm:
-            return None
+        if self._hbm is None or tier == self._hbm:
+            return None     # an engine's load lands in its own cache, not in a tier here
         self._counts["promotions"] += 1
         return self._hbm
 

@@ -82,7 +82,38 @@ def test_config_validation():
     with pytest.raises(ConfigError):
         RegimeConfig(mode="magic")
     with pytest.raises(ConfigError):
-        RegimePlacement(["dram"], RegimeConfig())
+        RegimePlacement(["hbm"], RegimeConfig(tier_roles={"hbm": "none"}))
+
+
+def test_without_an_hbm_tier_the_regime_decides_which_engine_saves_to_keep():
+    """The store under an engine (and the daemon's) has no HBM tier: the
+    engine's prefix cache is HBM, and every put is a save of a block that
+    cache holds. Low regimes decline them; higher ones keep them in DRAM."""
+    cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0)
+    p = RegimePlacement(["dram", "nvme"], cfg, clock=lambda: 0.0)
+    p.on_request(["a"], 0.0)
+    assert p.regime == Regime.HBM_ONLY and p.put_targets("a") == []
+    p.on_request([f"w{i}" for i in range(12)], 0.0)                 # working set 13 > t1
+    assert p.regime == Regime.WATCH
+    assert p.put_targets("fresh") == []                            # seen once: no reuse evidence
+    p.on_request(["a"], 0.0)
+    assert p.put_targets("a") == [0]                               # seen twice: kept
+    p.on_request([f"x{i}" for i in range(20)], 0.0)                 # 33 > t3
+    assert p.regime == Regime.SPILL and p.put_targets("x0") == [0]
+    for _ in range(2):
+        p.on_request(["x1"], 0.0)
+    assert p.on_evict("x1", 0) == 1                                # spills, as under an engine's HBM
+    assert p.on_hit("x1", 1) is None                               # a load lands in the engine's cache
+    s = p.stats()
+    assert s["saves_declined"] == 2 and s["writebacks"] == 2 and s["promotions"] == 0
+
+
+def test_an_engine_reported_hbm_capacity_moves_auto_thresholds():
+    p = RegimePlacement(["dram", "nvme"], RegimeConfig(mode="auto", tokens_per_key=1),
+                        capacities={"dram": 4000}, clock=lambda: 0.0)
+    assert p.thresholds == auto_thresholds({"dram": 4000})
+    p.set_capacity("hbm", 1000)
+    assert p.thresholds == (1000, 3000, 5000)
 
 
 def test_frequency_filter_counts_and_ages():
