@@ -4,7 +4,7 @@
 request one ``alookup`` (its prefix hits), one ``aget_into`` of that prefix
 (bytes checked against the key; hits promoted as the planner says) and one
 ``aput`` of what the request computed. The store's own
-:class:`~kvstore.planner.Planner` decides; nothing here moves bytes itself.
+:class:`~kvstore.store.planner.Planner` decides; nothing here moves bytes itself.
 Beside it runs the planner-only replay (:class:`~kvstore.bench.simulate.PlanReplay`)
 of the same policy, on the same keys: every request's hits per tier must be the same in both,
 and at the end each tier must hold what both planners believe. So the
@@ -14,7 +14,7 @@ disagreement is reported, never hidden:
 * trace hash ids become real chained :class:`BlockKey` s through a
   :class:`CacheIdentity` + :class:`KeyChain` (one stand-in block of tokens
   per hash id; the tenant is the identity's ``cache_salt``);
-* payloads are derived from the key (:func:`kvstore.demo.payload_for`),
+* payloads are derived from the key (:func:`kvstore.bench.demo.payload_for`),
   ``bytes_per_token`` x ``block_tokens`` bytes, scaled down from a real
   model's K/V so a 10M-token working set fits this machine (2 B/token: 20 MB);
 * each tier's budget is exactly the replay's capacity in blocks (a DRAM

@@ -41,7 +41,7 @@ from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
 from kvstore.store.planner import Planner, TierPlan
 
-POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle")
+POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle", "s3fifo")
 DEFAULT_POLICIES = POLICY_NAMES[:5]
 HINT_SOURCES = ("trace", "none")
 # the share of the lru-to-belady hit-rate gap a policy closes, reported under these keys
@@ -118,6 +118,9 @@ def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup
         tiers, placement = tiers[:2], AlwaysOffload(names[:2])
     elif policy == "lru":
         placement = Cascade(names)
+    elif policy == "s3fifo":        # the same cascade, S3-FIFO below the engine's own LRU
+        placement = Cascade(names)
+        lower = lambda: make_eviction("s3fifo")   # noqa: E731
     elif policy in ("regime", "regime-oracle"):
         rc = RegimeConfig(thresholds=cfg.thresholds, mode=cfg.regime_mode, window_s=cfg.window_s,
                           tokens_per_key=cfg.block_tokens, nvme_min_count=cfg.nvme_min_count)

@@ -1,7 +1,7 @@
 """The replay without real tiers: the product's planner, request by request.
 
-:class:`PlanReplay` drives a :class:`~kvstore.planner.Planner` - the very
-object a :class:`~kvstore.store.TieredStore` decides with - through a
+:class:`PlanReplay` drives a :class:`~kvstore.store.planner.Planner` - the very
+object a :class:`~kvstore.store.tiered.TieredStore` decides with - through a
 trace, the way the store is driven by an engine: a request's lookup, a load
 of its stored prefix (hits, promotions), a put of what it computed. No bytes
 move; capacities are in blocks (every block has footprint 1).

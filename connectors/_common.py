@@ -124,8 +124,8 @@ class ConnectorConfig:
         if isinstance(data, str):
             try:
                 data = json.loads(data) if data.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"connector config is not valid JSON: {exc}") from exc
+            except (ValueError, RecursionError) as exc:
+                raise ConfigError(f"connector config is not valid JSON: {type(exc).__name__}") from None
         if not isinstance(data, Mapping):
             raise ConfigError("connector config must be an object")
         data = dict(data)
@@ -138,7 +138,7 @@ class ConnectorConfig:
         from kvstore.config_load import load_config  # noqa: PLC0415
 
         tree: dict[str, Any] = {name: data.pop(name) for name in ("store", "policy") if name in data}
-        config = load_config(data=tree)
+        config = load_config(data=tree, env_file=False)   # $KVSTORE_CONFIG describes the daemon
         ident = data.pop("identity", {}) or {}
         if not isinstance(ident, Mapping):
             raise ConfigError("identity must be an object of strings")
@@ -236,7 +236,7 @@ def shared_store(config: Config, opener: Callable[[Config], Store] | None = None
 class UnavailableStore:
     """Stands in for a store that could not be opened: every data call raises
     :class:`TierUnavailable`, which :class:`StoreGuard` turns into a miss.
-    It answers the whole :class:`kvstore.facade.Store` API by name, so a typo
+    It answers the whole :class:`kvstore.store.facade.Store` API by name, so a typo
     in a connector is a type error, not a silent miss."""
 
     def __init__(self, why: str) -> None:

@@ -103,7 +103,7 @@ class Restored:
 class HFPrefixCache:
     """Saves and restores one sequence's DynamicCache prefix through a store.
 
-    ``store`` is a blocking store (:class:`kvstore.sync.KVStore`): ``lookup``,
+    ``store`` is a blocking store (:class:`kvstore.store.sync.KVStore`): ``lookup``,
     ``put``, ``get_into``. The caller owns the model and the caches; this
     object copies bytes in and out and keeps no tensors.
     """

@@ -49,6 +49,9 @@ class StoreConfig(Section):
     def _remote_alone(self) -> StoreConfig:
         if self.remote is not None and self.tiers():
             raise ValueError(f"a daemon's store (remote) opens no tiers here; remove {', '.join(self.tiers())}")
+        names = [getattr(self, t).name for t in self.tiers()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique (got {names})")
         return self
 
     def tiers(self) -> list[str]:
@@ -69,17 +72,23 @@ class PolicyConfig(Section):
 
     tree_path = "policy"
     name: Literal["default", "regime", "write-through"] = "default"
-    thresholds: Literal["auto"] | tuple[Count, Count, Count] = (100_000, 250_000, 500_000)
+    thresholds: Literal["auto"] | tuple[int, int, int] = (100_000, 250_000, 500_000)
     hysteresis: Fraction = 0.1
     window_s: Seconds = 60.0
     max_prefetch: Count = 4         # concurrent prefetches
 
-    @field_validator("thresholds")
+    @field_validator("thresholds", mode="before")
     @classmethod
     def _ordered(cls, value: Any) -> Any:
-        if value != "auto" and not value[0] <= value[1] <= value[2]:
-            raise ValueError(f"must be auto or three token counts t1 <= t2 <= t3 (got {list(value)})")
-        return value
+        """One message for every wrong form (the union would give one per branch)."""
+        if value == "auto":
+            return value
+        ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in value)
+        if not ok or not value[0] <= value[1] <= value[2]:
+            shown = list(value) if isinstance(value, (list, tuple)) and len(value) <= 8 else type(value).__name__
+            raise ValueError(f"must be \"auto\" or three token counts 1 <= t1 <= t2 <= t3 (got {shown})")
+        return tuple(value)
 
 
 class Config(Section):

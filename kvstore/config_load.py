@@ -23,9 +23,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore.config import Config
+from kvstore.config import TIERS, Config
 from kvstore.errors import ConfigError
-from kvstore.schema import Section, section_type
+from kvstore.schema import Section, check_tree, section_type
 
 ENV_PREFIX = "KVSTORE_"
 ENV_FILE = "KVSTORE_CONFIG"
@@ -33,10 +33,12 @@ _SECTIONS = tuple(Config.model_fields)          # store, policy, daemon
 
 
 def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] | None = None,
-                env: Mapping[str, str] | None = None) -> Config:
-    """The tree from a file (or ``$KVSTORE_CONFIG``), the environment and ``data``, in that order."""
+                env: Mapping[str, str] | None = None, *, env_file: bool = True) -> Config:
+    """The tree from a file (``path``, else ``$KVSTORE_CONFIG`` unless not
+    ``env_file``), the environment and ``data``, in that order."""
     env = os.environ if env is None else env
-    path = path if path is not None else env.get(ENV_FILE) or None
+    if path is None and env_file:
+        path = env.get(ENV_FILE) or None
     tree: dict[str, Any] = {}
     if path is not None:
         tree = merge(tree, read_config_file(os.fspath(path)))
@@ -44,23 +46,40 @@ def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] |
     if data is not None:
         if not isinstance(data, Mapping):
             raise ConfigError(f"config: must be an object (got {type(data).__name__})")
+        check_tree(data, "config")
         tree = merge(tree, data)
     return Config.from_dict(tree)
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:
-    """A Config as given, or one loaded (with the environment under it) from a dict."""
-    return config if isinstance(config, Config) else load_config(data=config)
+    """A Config as given, or one from a dict with the environment's settings
+    under it. ``$KVSTORE_CONFIG`` is not read here: that file describes the
+    daemon (``kvstore serve``), not a client of it."""
+    return config if isinstance(config, Config) else load_config(data=config, env_file=False)
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``over`` on ``base``: tables merge key by key, anything else replaces.
+    A store is either local tiers or a daemon's (``remote``): a layer that
+    names one replaces what lower layers said of the other."""
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
+        lower = out.get(key)
+        if key == "store" and isinstance(value, Mapping) and isinstance(lower, Mapping):
+            lower = _store_under(lower, value)
+        if isinstance(value, Mapping) and isinstance(lower, Mapping):
+            out[key] = merge(lower, value)
         else:
             out[key] = value
     return out
+
+
+def _store_under(lower: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    if over.get("remote") is not None:
+        return {k: v for k, v in lower.items() if k not in TIERS}
+    if any(over.get(t) is not None for t in TIERS):
+        return {k: v for k, v in lower.items() if k != "remote"}
+    return dict(lower)
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -98,29 +117,35 @@ def env_tree(env: Mapping[str, str]) -> dict[str, Any]:
         rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else ""
         if not rest.startswith(tuple(s + "_" for s in _SECTIONS)):
             continue
-        path = _env_path(Config, rest)
-        if path is None:
+        found = _env_path(Config, rest)
+        if found is None:
             raise ConfigError(f"{name}: no such setting (the tree's variables are "
                               f"{ENV_PREFIX}<SECTION>_<FIELD>, e.g. KVSTORE_STORE_DRAM_CAPACITY_BYTES)")
+        path, annotation = found
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = _env_value(env[name])
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path[:-1])} is set whole by another variable")
+        if isinstance(node.get(path[-1]), dict):
+            raise ConfigError(f"{name}: {'.'.join(path)} is also set field by field by other variables")
+        node[path[-1]] = _env_value(name, env[name], annotation)
     return tree
 
 
-def _env_path(model: type[Section], rest: str) -> list[str] | None:
-    """``store_nvme_capacity_bytes`` -> [store, nvme, capacity_bytes], by the tree's field names
-    (longest first, so ``segment_bytes`` is not read as a section ``segment``)."""
+def _env_path(model: type[Section], rest: str) -> tuple[list[str], Any] | None:
+    """``store_nvme_capacity_bytes`` -> ([store, nvme, capacity_bytes], its annotation), by the
+    tree's field names (longest first, so ``segment_bytes`` is not read as a section ``segment``)."""
     for field in sorted(model.model_fields, key=len, reverse=True):
+        annotation = model.model_fields[field].annotation
         if rest == field:
-            return [field]
+            return [field], annotation
         if rest.startswith(field + "_"):
-            sub = section_type(model.model_fields[field].annotation)
-            if sub is not None and not _is_list(model.model_fields[field].annotation):
+            sub = section_type(annotation)
+            if sub is not None and not _is_list(annotation):
                 tail = _env_path(sub, rest[len(field) + 1:])
                 if tail is not None:
-                    return [field, *tail]
+                    return [field, *tail[0]], tail[1]
     return None
 
 
@@ -128,12 +153,24 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is tuple
 
 
-def _env_value(text: str) -> Any:
-    """JSON for a list or a table; anything else as the string it is (the model converts it)."""
+def _takes_json(annotation: Any) -> bool:
+    """A list or a table (or a union holding one): written as JSON in a variable."""
+    if _is_list(annotation) or section_type(annotation) is not None:
+        return True
+    return any(_takes_json(arg) for arg in typing.get_args(annotation) if arg is not type(None))
+
+
+def _env_value(name: str, text: str, annotation: Any) -> Any:
+    """JSON for a list or a table; any other setting is the string it is (the
+    model converts it), so a token or a path may start with '[' or '{'.
+    The value is never echoed: it may be a secret."""
     stripped = text.strip()
-    if stripped[:1] in ("[", "{"):
+    if _takes_json(annotation) and stripped[:1] in ("[", "{"):
         try:
-            return json.loads(stripped)
-        except ValueError as exc:
-            raise ConfigError(f"not valid JSON: {stripped[:60]!r}: {exc}") from None
+            value = json.loads(stripped)
+        except (ValueError, RecursionError) as exc:
+            where = f" at character {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
+            raise ConfigError(f"{name}: not valid JSON{where}") from None
+        check_tree(value, name)
+        return value
     return text

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
@@ -39,13 +40,24 @@ def _no_bool(value: object) -> object:
 def _size(value: object) -> object:
     """ "8GiB", "512K", 4096 -> bytes (strings of digits too: environment variables)."""
     _no_bool(value)
+    if isinstance(value, float):    # JSON has no ints apart from floats in some writers: 4096.0
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"a size is a whole number of bytes (got {_shown(value)})")
+        value = int(value)
     return parse_size(value) if isinstance(value, (str, int)) else value
 
 
 def _finite(value: object) -> object:
+    """A finite number; strings ("inf", "1e400" from a file or the environment) are read first."""
     _no_bool(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"must be a finite number (got {value!r})")
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value            # the model says it is not a number
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError(f"must be a finite number (got {_shown(value)})")
     return value
 
 
@@ -67,9 +79,10 @@ Flag = Annotated[bool, BeforeValidator(_flag)]
 Int = Annotated[int, BeforeValidator(_no_bool)]
 Count = Annotated[int, BeforeValidator(_no_bool), Field(ge=1)]           # at least one
 SIZE = BeforeValidator(_size)            # "8GiB" -> bytes; negative sizes refused
-Size = Annotated[int, SIZE, Field(lt=1 << 62)]       # bytes; add Field(ge=N) for a floor
-Seconds = Annotated[float, BeforeValidator(_finite), Field(gt=0)]
-Fraction = Annotated[float, BeforeValidator(_finite), Field(ge=0, lt=1)]
+Size = Annotated[int, SIZE, Field(ge=0, lt=1 << 62)]       # bytes; add Field(ge=N) for a higher floor
+Seconds = Annotated[float, FINITE, Field(gt=0, le=1e9)]    # a time-out; 1e9 s: a bound socket calls take
+Fraction = Annotated[float, FINITE, Field(ge=0, lt=1)]
+Rate = Annotated[float, FINITE, Field(gt=0, le=1e15)]      # per second
 Port = Annotated[int, BeforeValidator(_no_bool), Field(ge=0, lt=65536)]   # 0: pick a free one
 
 
@@ -81,7 +94,7 @@ class Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
     tree_path: ClassVar[str] = ""
 
-    def __init__(self, *args: Any, **data: Any) -> None:
+    def __init__(self, /, *args: Any, **data: Any) -> None:
         # positional arguments fill the fields in their order, as a dataclass's
         # do (NvmeConfig(path, capacity)); pydantic calls a custom __init__ for nested sections too: the
         # failures travel up as SectionError items and are joined to the
@@ -90,6 +103,9 @@ class Section(BaseModel):
             names = list(type(self).model_fields)
             if len(args) > len(names):
                 raise ConfigError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
+            twice = sorted(set(names[:len(args)]) & set(data))
+            if twice:
+                raise ConfigError(f"{type(self).__name__}: {', '.join(twice)} given twice")
             data = {**dict(zip(names, args)), **data}
         try:
             super().__init__(**data)
@@ -104,6 +120,7 @@ class Section(BaseModel):
         """From a dict (a TOML or JSON file's table, an engine's extra config)."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{cls.tree_path or 'config'}: must be an object (got {_shown(data)})")
+        check_tree(data, cls.tree_path or "config")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -123,7 +140,8 @@ class SectionError(ConfigError):
     def __init__(self, section: type[Section], items: list[Failure]) -> None:
         self.items = items
         root = (section.tree_path,) if section.tree_path else ()
-        super().__init__("; ".join(f"{_dotted((*root, *loc))}: {msg}" for loc, msg in items))
+        super().__init__("; ".join(f"{where}: {msg}" if (where := _dotted((*root, *loc))) else msg
+                                   for loc, msg in items))
 
 
 def failures(exc: ValidationError, root: type[Section]) -> list[Failure]:
@@ -141,20 +159,41 @@ def failures(exc: ValidationError, root: type[Section]) -> list[Failure]:
 def _dotted(loc: tuple[str | int, ...]) -> str:
     text = ""
     for part in loc:
+        if isinstance(part, str) and ("[" in part or "(" in part):
+            continue    # pydantic's name for one branch of a union: not a place in the tree
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "config"
+    return text
+
+
+MAX_DEPTH = 32      # no config is deeper; a deeper one is an attack on the parser
+
+
+def check_tree(data: object, where: str, depth: int = 0) -> None:
+    """Tables of string keys only, nested at most MAX_DEPTH deep: what a
+    TOML or JSON file can hold, before any model sees it (a key of another
+    type, or nesting that would exhaust the stack, is a ConfigError)."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{where}: nested more than {MAX_DEPTH} levels deep")
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: keys are names, not {type(key).__name__}")
+            check_tree(value, f"{where}.{key}", depth + 1)
+    elif isinstance(data, (list, tuple)):
+        for i, value in enumerate(data):
+            check_tree(value, f"{where}[{i}]", depth + 1)
 
 
 _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
            "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
 
 
-_SECRETS = ("token", "key_secret", "password")   # never echoed into a log
+_SECRETS = ("token", "key_secret", "password")   # never echoed into a log (nor anything holding one)
 
 
 def _message(err: Any, root: type[Section]) -> str:
     kind, ctx, got = err["type"], err.get("ctx") or {}, _shown(err.get("input"))
-    if err["loc"] and err["loc"][-1] in _SECRETS:
+    if any(part in _SECRETS for part in err["loc"]):
         got = "hidden"
     if kind in _BOUNDS:
         key, sign = _BOUNDS[kind]
@@ -203,6 +242,22 @@ def section_type(annotation: Any) -> type[Section] | None:
     return None
 
 
+_URL_PASSWORD = re.compile(r"(//[^/@:]*:)[^/@]*@")
+
+
 def _shown(value: object) -> str:
-    text = repr(value)
+    """A value for an error message: scalars shown (a URL without its
+    password), tables and lists by type only (they may hold a token)."""
+    if isinstance(value, (Mapping, list, tuple, set)):
+        return f"a {type(value).__name__}"
+    try:
+        text = repr(value)
+    except Exception:   # noqa: BLE001 - an int too long to print, a hostile __repr__
+        return f"a {type(value).__name__}"
+    text = _URL_PASSWORD.sub(r"\1***@", text)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def without_password(url: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://user:***@host`` (for messages and logs)."""
+    return _URL_PASSWORD.sub(r"\1***@", url)

@@ -1,4 +1,6 @@
-"""The one place environment variables are read.
+"""Environment variables that are not part of the config tree (those,
+``KVSTORE_<SECTION>_<FIELD>`` and ``KVSTORE_CONFIG``, are read by
+:mod:`kvstore.config_load`):
 
 KVSTORE_REDIS_URL  default Redis URL for the benchmarks (kvstore bench tiers --tiers redis)
 KVSTORE_LOG_LEVEL  logging level for the CLI (default WARNING); inside an

@@ -192,7 +192,21 @@ def test_an_nvme_path_without_a_size_is_an_error_not_a_missing_tier(tmp_path):
      "store.nvme.capacity_bytes: a size must not be negative"),
     ({"store": {"dram": {"capacity_bytes": "8GiB", "pinned": "maybe"}}},
      "store.dram.pinned: must be one of 'auto', 'yes' or 'no' (got 'maybe')"),
-    ({"policy": {"thresholds": [5, 4, 3]}}, "policy.thresholds: must be auto or three token counts"),
+    ({"policy": {"thresholds": [5, 4, 3]}}, 'policy.thresholds: must be "auto" or three token counts'),
+    ({"policy": {"thresholds": [1, 2]}}, 'policy.thresholds: must be "auto" or three token counts'),
+    ({"daemon": {"limits": {"max_pin_ttl_s": "inf"}}}, "daemon.limits.max_pin_ttl_s: must be a finite number"),
+    ({"store": {"redis": {"ttl_s": "1e400"}}}, "store.redis.ttl_s: must be a finite number"),
+    ({"daemon": {"drain_timeout_s": True}}, "daemon.drain_timeout_s: must be a number"),
+    ({"daemon": {"listen": {"unix_mode": True}}}, "daemon.listen.unix_mode: must be a file mode"),
+    ({"daemon": {"tenants": [{"name": "a", "token": "t-123456", "quota_bytes": -1.0}]}},
+     "daemon.tenants[0].quota_bytes: a size must not be negative"),
+    ({"daemon": {"tenants": [{"name": "default", "token": "t-123456"}]}}, "cannot be named 'default'"),
+    ({"daemon": {"tenants": [{"name": "a\nb", "token": "t-123456"}]}}, "daemon.tenants[0].name: must match"),
+    ({"daemon": {"listen": {"tcp_host": ""}}}, "daemon.listen.tcp_host: must not be empty"),
+    ({"store": {"redis": {"url": "redis://h:notaport/0"}}}, "store.redis.url: must be redis://"),
+    ({"store": {"dram": {"capacity_bytes": "1MiB", "name": "x"}, "nvme": {"path": "/x", "capacity_bytes": "1MiB",
+                                                                           "name": "x"}}},
+     "store: tier names must be unique"),
     ({"daemon": {"tenants": [{"name": "a", "token": "t-123456"}, {"name": "b", "token": "short"}]}},
      "daemon.tenants[1].token: must have at least 8 characters (got hidden)"),
     ({"daemon": {"limits": {"idle_timeout_s": 0}}}, "daemon.limits.idle_timeout_s: must be > 0 (got 0)"),
@@ -204,3 +218,78 @@ def test_config_errors_name_the_path_and_the_value(tree, message):
         Config.from_dict(tree)
     assert message in str(err.value)
     assert "t-123456" not in str(err.value) and "short" not in str(err.value)
+
+
+@pytest.mark.parametrize("tree", [
+    {"daemon": {"tenants": {"name": "teamA", "token": "s3cr3t-token-teamA"}}},    # [daemon.tenants], not [[...]]
+    {"daemon": {"tenants": [["teamA", "s3cr3t-token-teamA"]]}},
+    {"daemon": [{"key_secret": "s3cr3t-token-teamA-0123456789"}]},
+    {"store": {"redis": {"url": "redis://:s3cr3t-token-teamA@"}}},
+    {"store": {"remote": {"url": "unix:///x", "token": ["s3cr3t-token-teamA"]}}},
+])
+def test_config_errors_never_echo_a_secret(tree):
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(tree)
+    assert "s3cr3t" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tree", [
+    {"store": {"self": 1}}, {"store": {1: 2}}, {"store": {"dram": {"capacity_bytes": 10 ** 5000}}},
+    {"policy": {"window_s": 10 ** 5000}}, {"daemon": {"tenants": [[[[[]]]]]}},
+])
+def test_hostile_trees_are_config_errors(tree):
+    nested: dict = {}
+    node = nested
+    for _ in range(5000):
+        node["a"] = {}
+        node = node["a"]
+    for bad in (tree, {"store": nested}):
+        try:
+            Config.from_dict(bad)
+        except ConfigError:
+            pass
+
+
+def test_hostile_environment_values_are_config_errors_naming_the_variable():
+    from kvstore.config_load import env_tree
+    for env in ({"KVSTORE_DAEMON_TENANTS": "[" * 100_000},
+                {"KVSTORE_STORE_DRAM": "2GiB", "KVSTORE_STORE_DRAM_PINNED": "no"},
+                {"KVSTORE_DAEMON_TENANTS": '[{"name": "a", "token": "s3cr3t-token-teamA"'}):
+        with pytest.raises(ConfigError) as err:
+            env_tree(env)
+        assert "KVSTORE_" in str(err.value) and "s3cr3t" not in str(err.value)
+    # a secret may start with a bracket: only lists and tables are read as JSON
+    assert load_config(env={"KVSTORE_DAEMON_KEY_SECRET": "{0123456789abcdef"}).daemon.key_secret \
+        == "{0123456789abcdef"
+
+
+def test_a_layer_that_names_a_daemon_store_replaces_the_local_tiers_below_it(tmp_path):
+    base = tmp_path / "kvstore.toml"
+    base.write_text('[store.dram]\ncapacity_bytes = "1GiB"\n')
+    cfg = load_config(base, data={"store": {"remote": {"url": "unix:///run/kv.sock"}}}, env={})
+    assert cfg.store.tiers() == [] and cfg.store.remote is not None
+    back = load_config(base, data={"store": {"nvme": {"path": str(tmp_path), "capacity_bytes": "1MiB"}}},
+                       env={"KVSTORE_STORE_REMOTE_URL": "unix:///run/kv.sock"})
+    assert back.store.remote is None and back.store.tiers() == ["nvme"]   # each layer replaces the kind below
+
+
+def test_a_store_that_fails_to_open_lets_its_tiers_go(tmp_path):
+    """The NVMe directory lock was left held: the next open said another process had it."""
+    from kvstore.store import tiered
+    from kvstore.store.factory import build_store
+    cfg = Config.from_dict({"store": {"nvme": {"path": str(tmp_path), "capacity_bytes": "1MiB"}}})
+
+    async def main():
+        real = tiered.TieredStore.__init__
+
+        def fail(self, *a, **kw):       # fault injection: the store itself fails to build
+            raise RuntimeError("injected")
+        tiered.TieredStore.__init__ = fail
+        try:
+            with pytest.raises(RuntimeError):
+                await build_store(cfg)
+        finally:
+            tiered.TieredStore.__init__ = real
+        store = await build_store(cfg)
+        await store.aclose()
+    asyncio.run(main())

@@ -21,7 +21,7 @@ from kvstore.bench.replay import ReplayConfig, load_requests, run_online
 from kvstore.bench.workload import AgentWorkloadConfig
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-POLICIES = ("hbm-only", "always-offload", "lru", "regime", "regime-oracle")
+POLICIES = ("hbm-only", "always-offload", "lru", "s3fifo", "regime", "regime-oracle")
 
 
 def _sequences():

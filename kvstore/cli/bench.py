@@ -87,7 +87,7 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--trace-block-tokens", default=512, show_default=True, help="Tokens per trace hash id.")
 @click.option("--limit", default=None, type=int, help="Replay only the first N requests.")
 @click.option("--policy", default="hbm-only,always-offload,lru,regime,belady", show_default=True,
-              help="Comma list of hbm-only, always-offload, lru, regime, belady, regime-oracle "
+              help="Comma list of hbm-only, always-offload, lru, s3fifo, regime, belady, regime-oracle "
                    "(regime told by the trace's future whether each request gets a next turn: "
                    "an upper bound for follow-up hints).")
 @click.option("--hbm-tokens", default="100K", type=SIZE, show_default=True)

@@ -1,9 +1,9 @@
 """``kvstore serve``: the click command, ready for ``main.add_command(serve_command, "serve")``.
 
 Either ``--config kvstore.toml`` (the config tree: ``[store.*]``, ``[policy]``,
-``[daemon]``; JSON if the file is ``.json``) or the flags below, or both:
-flags override the file, the file's values lie over the ``KVSTORE_*``
-environment variables (see :mod:`kvstore.config_load`).
+``[daemon]``; JSON if the file is ``.json``; else ``$KVSTORE_CONFIG``) or the
+flags below, or both: the ``KVSTORE_*`` environment variables override the
+file, and the flags override both (see :mod:`kvstore.config_load`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from kvstore.errors import KVStoreError
 @click.option("--host", "tcp_host", default=None,
               help="TCP address [127.0.0.1] (metrics stay on 127.0.0.1 unless daemon.metrics.host says).")
 @click.option("--metrics-port", type=int, default=None, help="HTTP /metrics (Prometheus) and /health.")
-@click.option("--dram", "dram_bytes", default=None, help="DRAM tier size, e.g. 8GiB.")
+@click.option("--dram", "dram_bytes", default=None,
+              help="DRAM tier size, e.g. 8GiB. Only the tiers given exist (with none: DRAM 1GiB).")
 @click.option("--nvme", "nvme_bytes", default=None, help="NVMe tier size, e.g. 200GiB (with --nvme-path).")
 @click.option("--nvme-path", default=None, help="NVMe tier directory.")
 @click.option("--redis-url", default=None, help="Redis L3 behind the daemon.")
@@ -83,7 +84,7 @@ def _flag_tree(*, unix_path, tcp_port, tcp_host, metrics_port, dram_bytes, nvme_
 def _tenant(text: str) -> dict:
     parts = text.split(":")
     if len(parts) not in (2, 3):
-        raise KVStoreError(f"--tenant takes NAME:TOKEN[:QUOTA], got {text!r}")
+        raise KVStoreError(f"--tenant takes NAME:TOKEN[:QUOTA], got {len(parts)} fields for tenant {parts[0]!r}")
     out = {"name": parts[0], "token": parts[1]}
     if len(parts) == 3:
         out["quota_bytes"] = parts[2]

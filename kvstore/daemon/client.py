@@ -1,5 +1,5 @@
 """RemoteStore: the daemon's client, with the same blocking API as
-:class:`kvstore.sync.KVStore`, so a connector runs in-process or against
+:class:`kvstore.store.sync.KVStore`, so a connector runs in-process or against
 ``kvstore serve`` by configuration alone (the tree's ``store.remote`` section).
 
 Threading: thread-safe. Each call borrows a connection from a small pool

@@ -13,13 +13,15 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from kvstore.daemon.limits import DaemonLimits
 from kvstore.daemon.protocol import parse_url
 from kvstore.errors import ConfigError
-from kvstore.schema import Count, Flag, Int, Port, Seconds, Section, Size
+from kvstore.schema import FINITE, Count, Flag, Int, Port, Seconds, Section, Size
 
 ANONYMOUS = "default"   # the tenant of every client when no tenants are configured
 
 
 def _octal(value: object) -> object:
-    """``"0660"`` (TOML and JSON have no octal ints) -> 0o660."""
+    """``"0660"`` (JSON has no octal ints; TOML's 0o660 arrives as an int) -> 0o660."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a file mode like \"0660\" (got {value!r})")
     if isinstance(value, str):
         try:
             return int(value, 8)
@@ -36,7 +38,9 @@ class TenantSpec(Section):
     tenant, token or not."""
 
     tree_path = "daemon.tenants"
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^/]+$")]
+    # printable, no '/', and not the anonymous tenant's name (whose derived
+    # secret would give it the blocks stored while the daemon had no tenants)
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^/\x00-\x1f\x7f\s][^/\x00-\x1f\x7f]*$")]
     token: Annotated[str, Field(min_length=8, repr=False)]
     quota_bytes: Size = 0            # 0: no quota (the tiers' capacity bounds it)
     admin: Flag = False
@@ -49,7 +53,7 @@ class ListenConfig(Section):
     tree_path = "daemon.listen"
     unix_path: Annotated[str, Field(min_length=1)] | None = None
     unix_mode: Annotated[int, BeforeValidator(_octal), Field(ge=0, le=0o777)] = 0o600   # the daemon's user only
-    tcp_host: str = "127.0.0.1"
+    tcp_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"    # never "": that binds every interface
     tcp_port: Port | None = None         # 0 picks a free port (tests)
 
 
@@ -57,7 +61,7 @@ class MetricsConfig(Section):
     """``daemon.metrics``: HTTP /metrics (Prometheus) and /health."""
 
     tree_path = "daemon.metrics"
-    host: str = "127.0.0.1"
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     port: Port | None = None             # None: no metrics listener; 0 picks one
     tenant_names: Flag = False           # False: tenants appear as opaque labels
 
@@ -82,7 +86,7 @@ class DaemonConfig(Section):
     key_secret: str = Field(default="", repr=False)   # see the class docstring
     state_dir: Annotated[str, Field(min_length=1)] | None = None   # default: store.nvme.path
     max_connections: Count | None = None    # all connections; None: what the descriptor limit allows
-    drain_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
+    drain_timeout_s: Annotated[float, FINITE, Field(ge=0, le=1e9)] = 30.0
     socket_buffer_bytes: Annotated[Size, Field(ge=4096, le=1 << 30)] = 4 << 20   # fewer wakeups per block
     limits: DaemonLimits = DaemonLimits()
 
@@ -96,6 +100,9 @@ class DaemonConfig(Section):
     @model_validator(mode="after")
     def _unique_tenants(self) -> DaemonConfig:
         names = [t.name for t in self.tenants]
+        if ANONYMOUS in names:
+            raise ValueError(f"a tenant cannot be named {ANONYMOUS!r} (the anonymous tenant of a daemon "
+                             "without tenants: it would read what was stored then)")
         tokens = [t.token for t in self.tenants]
         if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
             raise ValueError("tenant names and tokens must be unique")

@@ -105,6 +105,7 @@ class Daemon:
     @classmethod
     async def start(cls, config: Config, store: TieredStore | None = None) -> Daemon:
         """Open the store (unless given), count what each tenant holds, listen."""
+        config.check_servable()
         secret = load_key_secret(config)
         _raise_fd_limit()
         if store is None:

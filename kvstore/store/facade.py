@@ -1,7 +1,7 @@
 """The blocking store API every facade offers, as one Protocol.
 
-Three classes answer it: :class:`kvstore.sync.KVStore` (the in-process
-TieredStore on its own loop), :class:`kvstore.remote.RemoteStore` (the
+Three classes answer it: :class:`kvstore.store.sync.KVStore` (the in-process
+TieredStore on its own loop), :class:`kvstore.daemon.client.RemoteStore` (the
 daemon's client) and :class:`kvstore.connectors._common.UnavailableStore`
 (a store that could not be opened). Connectors are written against
 :class:`Store`, so a deployment moves between them by configuration alone;

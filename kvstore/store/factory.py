@@ -78,8 +78,13 @@ def durable_tier(cfg: Config, tiers: list) -> int | None:
 
 async def build_store(cfg: Config) -> TieredStore:
     tiers = await build_tiers(cfg)
-    return TieredStore(tiers, placement=build_placement(cfg, tiers),
-                       max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
+    try:
+        return TieredStore(tiers, placement=build_placement(cfg, tiers),
+                           max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
+    except BaseException:       # the tiers hold files and locks: let them go
+        for tier in tiers:
+            await tier.close()
+        raise
 
 
 def open_store(config: Config | Mapping[str, Any]) -> Store:

@@ -1,8 +1,8 @@
 """TieredStore: the one object that knows every tier.
 
 Data flows one way: a connector or the daemon calls the store, the
-:class:`~kvstore.planner.Planner` decides (what is evicted, demoted,
-promoted, where a put goes), the :class:`~kvstore.moves.Executor` moves the
+:class:`~kvstore.store.planner.Planner` decides (what is evicted, demoted,
+promoted, where a put goes), the :class:`~kvstore.store.moves.Executor` moves the
 bytes between tiers. Tiers are ordered fastest first (hbm, dram, nvme,
 redis). The async methods are the API; the sync facade in
 :mod:`kvstore.store.sync` runs them on a private event loop.

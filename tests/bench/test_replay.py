@@ -85,7 +85,13 @@ def test_sweep_shape_and_goal_flags():
     lo, hi = (b["policies"] for b in res["bands"])
     assert lo["regime"]["ttft_mean_s"] <= lo["always-offload"]["ttft_mean_s"]
     assert hi["always-offload"]["ttft_mean_s"] < hi["hbm-only"]["ttft_mean_s"]
-    assert "within_1pct_each_band" in res["goals"] and sweep_table(res).row_count == 2
+    assert set(lo) == {"hbm-only", "always-offload", "lru", "s3fifo", "regime", "belady"}
+    assert lo["belady"]["hit_rate"] >= max(lo[n]["hit_rate"] for n in ("lru", "s3fifo", "regime")) - 1e-9
+    g = res["goals"]
+    assert g["against"] == ["always-offload", "hbm-only", "lru", "s3fifo"] and len(g["within_1pct_each_band"]) == 2
+    best_hi = min(hi[n]["ttft_mean_s"] for n in g["against"])
+    assert g["within_1pct_each_band"][1] == (hi["regime"]["ttft_mean_s"] <= 1.01 * best_hi)
+    assert sweep_table(res).row_count == 2
 
 
 def test_whole_mooncake_trace_replays_quickly():

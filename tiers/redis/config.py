@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated
 from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 
-from kvstore.schema import FINITE, Count, Flag, Int, Seconds, Section, Size
+from kvstore.schema import FINITE, Count, Flag, Int, Rate, Seconds, Section, Size, without_password
+from kvstore.tiers import compress
 
 
 class RedisConfig(Section):
@@ -22,18 +23,18 @@ class RedisConfig(Section):
     """
 
     tree_path = "store.redis"
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)   # may hold a password
     capacity_bytes: Annotated[Size, Field(ge=1)] = 1 << 30   # the share of the server this store may fill
     prefix: str = "kvs:"
     cluster: Flag = False
     ttl_s: Annotated[float, FINITE, Field(ge=0.001)] | None = None
-    compression: Literal["none", "lz4", "lz4-shuffle"] = "none"
+    compression: str = "none"                  # one of compress.CODECS
     max_connections: Count = 32
     parallel: Count = 2
     pipeline_blocks: Count = 16
     socket_timeout_s: Seconds = 0.5      # one round trip (plus its bytes at min_bandwidth)
     connect_timeout_s: Seconds = 0.25
-    min_bandwidth: Seconds = 100e6       # bytes/s: a bulk round trip may take its size at this rate
+    min_bandwidth: Rate = 100e6          # bytes/s: a bulk round trip may take its size at this rate
     retries: Annotated[Int, Field(ge=0, le=10)] = 1
     backoff_base_s: Seconds = 0.01
     down_backoff_cap_s: Annotated[Seconds, Field(le=1.0)] = 0.5   # reconnect promptly
@@ -47,8 +48,14 @@ class RedisConfig(Section):
     @classmethod
     def _redis_url(cls, url: str) -> str:
         parsed = urlparse(url)
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ValueError(f"must be redis:// or rediss://host:port (got {url!r})")
+        try:
+            parsed.port     # raises for a port that is not a number in 0..65535
+            ok = parsed.scheme in ("redis", "rediss") and bool(parsed.hostname)
+        except ValueError:
+            ok = False
+        db = parsed.path.lstrip("/")
+        if not ok or (db and not db.isdigit()):
+            raise ValueError(f"must be redis:// or rediss://host:port[/db] (got {without_password(url)!r})")
         return url
 
     @field_validator("prefix")
@@ -59,6 +66,11 @@ class RedisConfig(Section):
             # glob characters would break the SCAN pattern of drop_namespace.
             raise ValueError(f"must be non-empty, without spaces, braces or glob characters (got {prefix!r})")
         return prefix
+
+    @field_validator("compression")
+    @classmethod
+    def _codec(cls, name: str) -> str:
+        return compress.check_codec(name)
 
     @model_validator(mode="after")
     def _consistent(self) -> RedisConfig:
