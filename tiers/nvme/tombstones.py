@@ -1,8 +1,8 @@
 """Deletes on the NVMe tier's disk: tombstones, the ones still owed, and
 the directory syncs that make unlinks durable.
 
-A mixin of :class:`kvstore.tiers.nvme.NvmeTier` (as :mod:`.nvme_space` and
-:mod:`.nvme_maint` are). A tombstone that could not be written - its write
+A mixin of :class:`kvstore.tiers.nvme.NvmeTier` (as :mod:`.index` and
+:mod:`.compactor` are). A tombstone that could not be written - its write
 failed, its caller was cancelled, or eviction dropped the live record of a
 key whose newer dead copy would come back - is *owed*: ``_owed`` keeps it
 until an operation (the next put or delete, a compaction step, ``close``)
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Sequence
 from kvstore.errors import TierUnavailable
 from kvstore.keys import BlockKey
 from kvstore.record import FLAG_TOMBSTONE, RecordHeader
-from kvstore.tiers.nvme_maint import _Loc
+from kvstore.tiers.nvme.compactor import _Loc
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.nvme.tier import NvmeTier
 
 log = logging.getLogger("kvstore.tiers.nvme")
 

@@ -2,7 +2,7 @@
 eviction and reservation.
 
 A mixin of :class:`kvstore.tiers.nvme.NvmeTier` (as
-:mod:`kvstore.tiers.nvme_maint` is), kept apart so the file that does I/O
+:mod:`kvstore.tiers.nvme.compactor` is), kept apart so the file that does I/O
 reads on its own. Everything here runs on the event-loop thread and never
 awaits: a reservation, and the evictions it makes, happen between two
 awaits of the caller. The rules that keep deletes deleted across a restart
@@ -17,11 +17,11 @@ import os
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvstore.keys import BlockKey
-from kvstore.tiers.nvme_maint import _Loc
+from kvstore.tiers.nvme.compactor import _Loc
 from kvstore.tiers.segments import SEGMENT_HEADER_BYTES, Segment, new_framing, pack_segment_header, segment_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.nvme.tier import NvmeTier
 
 
 class NvmeSpace:

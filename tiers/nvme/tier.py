@@ -58,7 +58,7 @@ Rules that keep it correct:
   it is indexed, so a write that fails or whose caller is cancelled, but
   lands anyway, is hidden by later tombstones; a tombstone that cannot be
   written is owed and written by the next operation or ``close``
-  (:mod:`kvstore.tiers.nvme_tombs`). Segments whose live share drops below
+  (:mod:`kvstore.tiers.nvme.tombstones`). Segments whose live share drops below
   ``compact_ratio`` are rewritten (live records copied forward) in the
   background and on :meth:`NvmeTier.compact`.
 
@@ -92,11 +92,11 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import FLAG_TOMBSTONE, BlockSpec, RecordHeader, check_layout, make_header
 from kvstore.tiers.base import TierOps, check_batch
-from kvstore.tiers.nvme_config import NvmeConfig
-from kvstore.tiers.nvme_files import lock_dir, open_segment_file, read_worker
-from kvstore.tiers.nvme_maint import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
-from kvstore.tiers.nvme_space import NvmeSpace, _nothing_pinned
-from kvstore.tiers.nvme_tombs import NvmeTombstones, _is_tombstone
+from kvstore.tiers.nvme.compactor import CheckReport, NvmeCounters, NvmeMaintenance, _Loc
+from kvstore.tiers.nvme.config import NvmeConfig
+from kvstore.tiers.nvme.files import lock_dir, open_segment_file, read_worker
+from kvstore.tiers.nvme.index import NvmeSpace, _nothing_pinned
+from kvstore.tiers.nvme.tombstones import NvmeTombstones, _is_tombstone
 from kvstore.tiers.segments import (
     FRAME_HEAD_BYTES,
     SEGMENT_HEADER_BYTES,
@@ -114,7 +114,7 @@ __all__ = ["NvmeConfig", "NvmeTier", "CheckReport", "NvmeCounters"]
 _WRITE_CHUNK = 2 << 20       # bytes per pwritev: checksummed just before, so still in cache
 _PAGE = 4096
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore.tiers.nvme")
 
 
 class NvmeTier(NvmeSpace, NvmeTombstones, NvmeMaintenance, TierOps):

@@ -30,7 +30,7 @@ from kvstore.record import FLAG_TOMBSTONE, RecordHeader
 from kvstore.tiers.segments import FRAME_HEAD_BYTES, Framing, Segment, read_record, verify_segment
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.nvme.tier import NvmeTier
 
 log = logging.getLogger("kvstore.tiers.nvme")
 _COPY_CHUNK = 16 << 20   # live bytes read per compaction step: bounds its memory

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import TierUnavailable
 from kvstore.record import RecordHeader
-from kvstore.tiers.nvme_config import NvmeConfig
-from kvstore.tiers.nvme_maint import NvmeCounters
+from kvstore.tiers.nvme.compactor import NvmeCounters
+from kvstore.tiers.nvme.config import NvmeConfig
 from kvstore.tiers.segments import (
     SEGMENT_HEADER_BYTES,
     Framing,
