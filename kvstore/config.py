@@ -19,7 +19,7 @@ from kvstore.errors import ConfigError
 from kvstore.schema import Count, Fraction, Seconds, Section
 from kvstore.tiers.dram import DramConfig
 from kvstore.tiers.hbm import HbmConfig
-from kvstore.tiers.nvme_config import NvmeConfig
+from kvstore.tiers.nvme.config import NvmeConfig
 from kvstore.tiers.redis.config import RedisConfig
 
 TIERS = ("hbm", "dram", "nvme", "redis")    # fastest first: the store's tier order

@@ -15,7 +15,7 @@ from kvstore.config import Config
 from kvstore.config_load import env_tree, load_config
 from kvstore.errors import ConfigError
 from kvstore.store.factory import open_store
-from kvstore.tiers.nvme_config import NvmeConfig
+from kvstore.tiers.nvme.config import NvmeConfig
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kvstore.toml"
 

@@ -483,7 +483,7 @@ def test_background_compaction_runs_after_deletes(tmp_path):
         await put(tier, range(16))
         before = tier.used_bytes
         await tier.delete_many([key(i) for i in range(16) if i % 4 != 3])
-        await asyncio.wait_for(tier._compactor, 10)
+        await asyncio.wait_for(tier.compactor.task, 10)
         assert tier.counters.compactions >= 3 and tier.used_bytes < before / 2
         got = await outcomes(tier, range(16))
         assert {i for i, o in got.items() if o is GetOutcome.HIT} == {3, 7, 11, 15}
@@ -503,14 +503,14 @@ def test_a_block_gone_while_compaction_copies_it_stays_gone(tmp_path, how):
         await put(tier, range(6))                  # segments {0,1} {2,3} {4,5}
         await tier.delete(key(1))                  # the first is half live: a candidate
         entered, release = threading.Event(), threading.Event()
-        real = tier._write_group
+        real = tier.io.write_group
 
         def held_copy(seg, off, items):            # fault injection: hold compaction's write
             if any(head is not None and head.stored_len for _, head, _, _ in items):
                 entered.set()
                 release.wait(10)
             return real(seg, off, items)
-        tier._write_group = held_copy
+        tier.io.write_group = held_copy
         compaction = asyncio.ensure_future(tier.compact())
         assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
         if how == "evicted":
@@ -626,14 +626,14 @@ def test_a_tombstone_stays_while_a_put_of_its_key_is_in_flight(tmp_path, monkeyp
         assert await tier.delete(key(1))           # segment 2: tombstone(1)
         await put(tier, [2, 3])
         assert await tier.delete(key(2))           # segment 2 all dead but for the needed tombstone
-        real, gate = tier._write_group, threading.Event()
+        real, gate = tier.io.write_group, threading.Event()
 
         def failing(seg, off, items):              # fault injection: the re-put of 1 fails
             if any(k == key(1) and h is None for k, h, _, _ in items):
                 gate.wait(5)
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", failing)
+        monkeypatch.setattr(tier.io, "write_group", failing)
 
         async def compact_then_release():
             freed = await tier.compact()           # runs while key 1 is pending
@@ -652,13 +652,13 @@ def test_a_cancelled_put_that_lands_later_stays_deleted(tmp_path, monkeypatch):
     async def main():
         tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
         await put(tier, [0])
-        real, go = tier._write_group, threading.Event()
+        real, go = tier.io.write_group, threading.Event()
 
         def slow(seg, off, items):
             if any(k == key(1) for k, *_ in items):
                 go.wait(5)
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", slow)
+        monkeypatch.setattr(tier.io, "write_group", slow)
         task = asyncio.ensure_future(put(tier, [1]))
         await asyncio.sleep(0)
         task.cancel()
@@ -666,7 +666,7 @@ def test_a_cancelled_put_that_lands_later_stays_deleted(tmp_path, monkeypatch):
             await task
         go.set()
         await asyncio.sleep(0.3)                   # the cancelled write lands
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         assert await put(tier, [1]) == [PutOutcome.STORED]
         await put(tier, [2])
         await put(tier, [3])
@@ -688,14 +688,14 @@ def test_an_evicted_block_with_a_failed_newer_copy_stays_evicted(tmp_path, monke
         tier = NvmeTier(conf)
         await put(tier, range(4))
         await tier.delete(key(1))                  # segment 1 half live: a candidate
-        real = tier._write_group
+        real = tier.io.write_group
 
         def sync_fails(seg, off, items):           # fault injection: the data landed, fdatasync failed
             real(seg, off, items)
             raise OSError(errno.EIO, "fdatasync: I/O error")
-        monkeypatch.setattr(tier, "_write_group", sync_fails)
+        monkeypatch.setattr(tier.io, "write_group", sync_fails)
         await tier.compact()
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         assert tier.counters.write_errors == 1 and await tier.contains(key(0))
         evicted, i = [], 4
         while key(0) not in evicted:               # FIFO evicts segment 1, holding the live 0
@@ -715,17 +715,17 @@ def test_a_tombstone_whose_write_failed_is_written_again(tmp_path, monkeypatch):
         tier = NvmeTier(conf)
         await put(tier, [0, 1])
         await put(tier, [2])
-        real = tier._write_group
+        real = tier.io.write_group
 
         def tombstones_fail(seg, off, items):      # fault injection: the disk refuses tombstones
             if tombstones(items):
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", tombstones_fail)
+        monkeypatch.setattr(tier.io, "write_group", tombstones_fail)
         with pytest.raises(TierUnavailable, match="not durable"):   # under fsync: not acknowledged
             await tier.delete_many([key(0)])
         assert tier.counters.write_errors >= 1 and not await tier.contains(key(0))
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         await tier.close()                         # pays what is owed
         assert await reopened_keys(conf) == {key(1), key(2)}
     asyncio.run(main())
@@ -738,14 +738,14 @@ def fill_with_a_failed_copy_of_0(tier, monkeypatch):
     async def go() -> int:
         await put(tier, range(4))
         await tier.delete(key(1))
-        real = tier._write_group
+        real = tier.io.write_group
 
         def sync_fails(seg, off, items):
             real(seg, off, items)
             raise OSError(errno.EIO, "fdatasync: I/O error")
-        monkeypatch.setattr(tier, "_write_group", sync_fails)
+        monkeypatch.setattr(tier.io, "write_group", sync_fails)
         await tier.compact()
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         i = 4
         while tier.fits(SPEC):
             await put(tier, [i])
@@ -762,7 +762,7 @@ def test_an_owed_tombstone_waits_for_a_put_of_its_key(tmp_path, monkeypatch):
     async def main():
         tier = NvmeTier(conf)
         i = await fill_with_a_failed_copy_of_0(tier, monkeypatch)
-        real, refuse_tombs, go_y = tier._write_group, [True], threading.Event()
+        real, refuse_tombs, go_y = tier.io.write_group, [True], threading.Event()
 
         def faulty(seg, off, items):              # fault injection: tombstones refused while
             if refuse_tombs[0] and any(h is not None and not h.stored_len for _, h, _, _ in items):
@@ -771,7 +771,7 @@ def test_an_owed_tombstone_waits_for_a_put_of_its_key(tmp_path, monkeypatch):
                 go_y.wait(5)                                      # waits, then fails unwritten
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", faulty)
+        monkeypatch.setattr(tier.io, "write_group", faulty)
         assert await put(tier, [i]) == [PutOutcome.STORED]       # evicts 0: the tombstone stays owed
         assert key(0) in tier.drain_evicted()
         y = asyncio.ensure_future(put(tier, [0]))
@@ -780,9 +780,9 @@ def test_an_owed_tombstone_waits_for_a_put_of_its_key(tmp_path, monkeypatch):
         assert await put(tier, [i + 1]) == [PutOutcome.STORED]   # pays nothing for pending 0
         go_y.set()
         assert await y == [PutOutcome.UNAVAILABLE]               # ...and then pays it
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         held = set(tier.iter_keys())
-        tier._owed.clear()                                        # close must not be what pays it
+        tier.index.owed.clear()                                        # close must not be what pays it
         await tier.close()
         assert key(0) not in held and await reopened_keys(conf) == held
     asyncio.run(main())
@@ -794,12 +794,12 @@ def test_an_owed_tombstone_outlives_the_cancelled_put_that_owed_it(tmp_path, mon
     async def main():
         tier = NvmeTier(conf)
         i = await fill_with_a_failed_copy_of_0(tier, monkeypatch)
-        real, go = tier._write_group, threading.Event()
+        real, go = tier.io.write_group, threading.Event()
 
         def slow(seg, off, items):
             go.wait(5)
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", slow)
+        monkeypatch.setattr(tier.io, "write_group", slow)
         task = asyncio.ensure_future(put(tier, [i]))  # evicts 0's segment, then is cancelled
         await asyncio.sleep(0)
         task.cancel()
@@ -807,7 +807,7 @@ def test_an_owed_tombstone_outlives_the_cancelled_put_that_owed_it(tmp_path, mon
             await task
         go.set()
         await asyncio.sleep(0.2)
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         assert key(0) in tier.drain_evicted()
         held = set(tier.iter_keys())
         await tier.close()                             # pays the debt the cancelled put left
@@ -819,17 +819,17 @@ def test_an_owed_tombstone_outlives_the_cancelled_put_that_owed_it(tmp_path, mon
 def test_a_segment_that_cannot_be_created_fails_only_its_blocks(tmp_path, monkeypatch):
     async def main():
         tier = NvmeTier(cfg(tmp_path, blocks=8, seg_blocks=2))
-        real, calls = tier._new_segment, [0]
+        real, calls = tier.index.create_segment, [0]
 
-        def second_fails():                        # fault injection: out of file descriptors
+        def second_fails(sid):                     # fault injection: out of file descriptors
             calls[0] += 1
             if calls[0] == 2:
                 raise OSError(errno.EMFILE, "Too many open files")
-            return real()
-        monkeypatch.setattr(tier, "_new_segment", second_fails)
+            return real(sid)
+        monkeypatch.setattr(tier.index, "create_segment", second_fails)
         assert await put(tier, [0, 1, 2]) == [PutOutcome.STORED] * 2 + [PutOutcome.UNAVAILABLE]
-        monkeypatch.setattr(tier, "_new_segment", real)
-        assert all(s.writing == 0 and s.pins == 0 for s in tier._segments.values())
+        monkeypatch.setattr(tier.index, "create_segment", real)
+        assert all(s.writing == 0 and s.pins == 0 for s in tier.index.segments.values())
         assert await put(tier, [2, 3]) == [PutOutcome.STORED] * 2
         assert (await tier.check()).ok and tier.counters.write_errors == 1
         await tier.close()
@@ -839,7 +839,7 @@ def test_a_segment_that_cannot_be_created_fails_only_its_blocks(tmp_path, monkey
 def slow_writes(tier, monkeypatch, which, then_fail: bool = False) -> threading.Event:
     """Fault injection: writes of the kind ``which(items)`` selects wait for the
     returned event, then land (and, with ``then_fail``, report an I/O error)."""
-    real, go = tier._write_group, threading.Event()
+    real, go = tier.io.write_group, threading.Event()
 
     def gated(seg, off, items):
         if not which(items):
@@ -849,7 +849,7 @@ def slow_writes(tier, monkeypatch, which, then_fail: bool = False) -> threading.
         if then_fail:
             raise OSError(errno.EIO, "fdatasync: I/O error")
         return heads
-    monkeypatch.setattr(tier, "_write_group", gated)
+    monkeypatch.setattr(tier.io, "write_group", gated)
     return go
 
 
@@ -909,7 +909,7 @@ def test_a_cancelled_delete_whose_tombstone_fails_stays_deleted(tmp_path, monkey
         tier = NvmeTier(conf)
         await put(tier, [0, 1])
         await put(tier, [2])
-        real = tier._write_group
+        real = tier.io.write_group
         go = threading.Event()
 
         def tomb_slow_fails(seg, off, items):
@@ -917,7 +917,7 @@ def test_a_cancelled_delete_whose_tombstone_fails_stays_deleted(tmp_path, monkey
                 go.wait(5)
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", tomb_slow_fails)
+        monkeypatch.setattr(tier.io, "write_group", tomb_slow_fails)
         task = asyncio.ensure_future(tier.delete_many([key(0)]))
         await asyncio.sleep(0.05)
         task.cancel()
@@ -925,7 +925,7 @@ def test_a_cancelled_delete_whose_tombstone_fails_stays_deleted(tmp_path, monkey
             await task
         go.set()
         await asyncio.sleep(0.2)                    # the tombstone's write fails, unseen
-        monkeypatch.setattr(tier, "_write_group", real)
+        monkeypatch.setattr(tier.io, "write_group", real)
         held = set(tier.iter_keys())
         await tier.close()                          # pays the tombstone owed again
         assert key(0) not in held and await reopened_keys(conf) == held
@@ -942,10 +942,10 @@ def test_a_cancelled_delete_owes_even_the_tombstones_it_could_not_place(tmp_path
         await put(tier, [2, 3])                     # segment 2 has room for one tombstone
         go = slow_writes(tier, monkeypatch, tombstones)
 
-        def no_new_segment():                       # fault injection: out of file descriptors
+        def no_new_segment(sid):                    # fault injection: out of file descriptors
             raise OSError(errno.EMFILE, "Too many open files")
-        real_new = tier._new_segment
-        monkeypatch.setattr(tier, "_new_segment", no_new_segment)
+        real_new = tier.index.create_segment
+        monkeypatch.setattr(tier.index, "create_segment", no_new_segment)
         task = asyncio.ensure_future(tier.delete_many([key(0), key(2)]))
         await asyncio.sleep(0.05)                   # tombstone 0 in flight, tombstone 2 unplaced
         task.cancel()
@@ -953,7 +953,7 @@ def test_a_cancelled_delete_owes_even_the_tombstones_it_could_not_place(tmp_path
             await task
         go.set()
         await asyncio.sleep(0.2)
-        monkeypatch.setattr(tier, "_new_segment", real_new)
+        monkeypatch.setattr(tier.index, "create_segment", real_new)
         held = set(tier.iter_keys())
         await tier.close()                          # pays both
         assert held == {key(1), key(3)} and await reopened_keys(conf) == held
@@ -970,7 +970,7 @@ def test_close_lets_go_of_the_directory_even_when_io_fails(tmp_path, monkeypatch
         real_fsync, real_fdatasync = os.fsync, os.fdatasync
 
         def dir_fsync_fails(fd):                    # fault injection: the directory sync fails
-            if fd == tier._dir_fd:
+            if fd == tier.io.dir_fd:
                 raise OSError(errno.EIO, "fsync(dir): I/O error")
             return real_fsync(fd)
         monkeypatch.setattr(os, "fsync", dir_fsync_fails)
@@ -1184,14 +1184,14 @@ def test_a_put_of_a_key_being_written_answers_as_that_write_ends(tmp_path, monke
     async def main():
         tier = NvmeTier(cfg(tmp_path, durability="fsync"))
         gate = threading.Event()
-        real = tier._write_group
+        real = tier.io.write_group
 
         def slow(seg, off, items):            # fault injection: the first write waits, then fails or lands
             gate.wait(5)
             if fails:
                 raise OSError(errno.EIO, "I/O error")
             return real(seg, off, items)
-        monkeypatch.setattr(tier, "_write_group", slow)
+        monkeypatch.setattr(tier.io, "write_group", slow)
         first = asyncio.ensure_future(put(tier, [1]))
         await asyncio.sleep(0.05)
         second = asyncio.ensure_future(put(tier, [1, 2]))

@@ -1,10 +1,10 @@
-"""The NVMe tier's files: the directory lock, opening one segment file on
-start (check its header and seal, scan its records, truncate a torn tail),
-and the read worker.
+"""The NVMe tier's files: the directory and its lock, the segment files
+in it, opening one segment file on start (check its header and seal, scan
+its records, truncate a torn tail), and the read worker.
 
 Functions, not tier methods: what they need is passed in and what they
 find is returned (:class:`OpenedSegment`), so :class:`~kvstore.tiers.nvme.NvmeTier`
-only applies the result to its index.
+only applies the result to its index (:meth:`NvmeIndex.load`).
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import TierUnavailable
 from kvstore.record import RecordHeader
-from kvstore.tiers.nvme_config import NvmeConfig
-from kvstore.tiers.nvme_maint import NvmeCounters
+from kvstore.tiers.nvme.config import NvmeConfig
+from kvstore.tiers.nvme.counters import NvmeCounters
 from kvstore.tiers.segments import (
     SEGMENT_HEADER_BYTES,
     Framing,
     Segment,
     pack_segment_header,
+    parse_segment_name,
     read_framing,
     read_record_into,
     recover_framing,
@@ -34,12 +35,31 @@ from kvstore.tiers.segments import (
 log = logging.getLogger("kvstore.tiers.nvme")
 
 
+def open_dir(config: NvmeConfig) -> int:
+    """The tier's directory (made, mode 0700, unless read-only), opened and
+    locked; its fd. The lock lasts until the fd is closed."""
+    if not config.read_only:
+        os.makedirs(config.path, mode=0o700, exist_ok=True)
+    fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        lock_dir(fd, config.path, shared=config.read_only)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def lock_dir(fd: int, path: str, *, shared: bool) -> None:
     """flock the directory itself: no lock file, so a read-only open writes nothing."""
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
+
+
+def segment_files(path: str) -> list[tuple[int, str]]:
+    """(id, name) of every ``*.seg`` name in the directory, oldest first."""
+    return sorted((sid, name) for name in os.listdir(path) if (sid := parse_segment_name(name)) is not None)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from kvstore.schema import Count, Flag, Fraction, Section, Size
+from kvstore.schema import Count, Flag, Fraction, Int, Section, Size
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 MIN_CAPACITY_BYTES = 4096
@@ -30,7 +30,7 @@ class NvmeConfig(Section):
     io_threads: Count = 4
     compact_ratio: Fraction = 0.5       # rewrite a sealed segment whose live share falls below this
     background_compaction: Flag = True
-    evicted_backlog: Annotated[int, Field(ge=0)] = 1 << 16   # evicted keys kept for drain_evicted()
+    evicted_backlog: Annotated[Int, Field(ge=0)] = 1 << 16   # evicted keys kept for drain_evicted()
     name: Annotated[str, Field(min_length=1)] = "nvme"
     read_only: Flag = False             # inspect only (kvstore check): no truncation, eviction or writes
 
