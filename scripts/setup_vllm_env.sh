@@ -29,6 +29,8 @@ install_lmcache() {
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvstore" 2>/dev/null \
    && [ -f "$VENV/.kvstore-ready" ]; then
+    # point its kvstore at this checkout again (a moved package, another clone)
+    "$VENV/bin/pip" install --quiet --no-deps -e "$ROOT"
     install_lmcache
     echo "vLLM venv ready: $VENV"
     exit 0

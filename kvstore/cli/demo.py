@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvstore.bench import demo as demo_run
+import kvstore.bench.demo as demo_run
 from kvstore.cli.common import SIZE, console
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError

@@ -39,10 +39,9 @@ import numpy as np
 
 from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
-from kvstore.policies.base import Key
 from kvstore.record import BlockSpec
 from kvstore.stats import StoreStats
-from kvstore.store.planner import Cause, Kind, Move, Planner
+from kvstore.store.planner import Cause, K, Kind, Move, Planner
 from kvstore.tiers.base import Tier
 
 # a refusal falls down a tier or retries with twice the evictions (planner._RETRIES times at most)
@@ -68,11 +67,11 @@ class Applied:
     outcomes: dict[tuple[BlockKey, int], PutOutcome] = field(default_factory=dict)
     left: list[BlockKey] = field(default_factory=list)
     landed: dict[BlockKey, BlockSpec] = field(default_factory=dict)
-    written: list[Move] = field(default_factory=list)
+    written: list[Move[BlockKey]] = field(default_factory=list)
 
 
 class Executor:
-    def __init__(self, tiers: Sequence[Tier], planner: Planner, stats: StoreStats,
+    def __init__(self, tiers: Sequence[Tier], planner: Planner[BlockKey], stats: StoreStats,
                  observe: Callable[[str, str, float], None]) -> None:
         """``observe(tier, op, seconds)`` times every tier call (the store's histograms)."""
         self.tiers = list(tiers)
@@ -100,7 +99,7 @@ class Executor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    async def apply(self, moves: list[Move], have: dict[BlockKey, Held], *,
+    async def apply(self, moves: list[Move[BlockKey]], have: dict[BlockKey, Held], *,
                     hold: Callable[[list[BlockKey]], object] = lambda keys: None,
                     fenced: Callable[[bytes], bool] = lambda namespace: False) -> Applied:
         """Execute ``moves``; ``have``: bytes in hand, by key (extended with
@@ -130,7 +129,7 @@ class Executor:
         done.left = [k for k in gone if not self.planner.held_anywhere(k)]
         return done
 
-    async def _rounds(self, moves: list[Move], have: dict[BlockKey, Held],
+    async def _rounds(self, moves: list[Move[BlockKey]], have: dict[BlockKey, Held],
                       hold: Callable[[list[BlockKey]], object], fenced: Callable[[bytes], bool],
                       done: Applied, gone: set[BlockKey], mine: Counter[BlockKey]) -> None:
         for _ in range(_ROUNDS):
@@ -154,8 +153,8 @@ class Executor:
             refused = await self._write(writes, have, done, gone)
             moves = [n for m, full in refused for n in self.planner.refused(m, full=full)]
 
-    async def _read(self, moves: list[Move], writes: list[Move], have: dict[BlockKey, Held],
-                    gone: set[BlockKey], mine: Counter[BlockKey]) -> list[Move]:
+    async def _read(self, moves: list[Move[BlockKey]], writes: list[Move[BlockKey]], have: dict[BlockKey, Held],
+                    gone: set[BlockKey], mine: Counter[BlockKey]) -> list[Move[BlockKey]]:
         """Fetch the bytes ``writes`` need and nobody holds; the writes left
         (those whose bytes could not be read are cancelled)."""
         source: dict[BlockKey, int] = {}
@@ -201,8 +200,8 @@ class Executor:
                 if out is GetOutcome.HIT:
                     have[key] = Held(spec, buf)
 
-    def _unfenced(self, writes: list[Move], have: dict[BlockKey, Held],
-                  fenced: Callable[[bytes], bool], gone: set[BlockKey]) -> list[Move]:
+    def _unfenced(self, writes: list[Move[BlockKey]], have: dict[BlockKey, Held],
+                  fenced: Callable[[bytes], bool], gone: set[BlockKey]) -> list[Move[BlockKey]]:
         kept = []
         for m in writes:
             if m.kind is Kind.COPY and fenced(have[m.key].spec.namespace):
@@ -227,11 +226,11 @@ class Executor:
             await self.tiers[t].delete_many(keys)
             self._observe(self.tiers[t].name, "delete", time.perf_counter() - t0)
 
-    async def _write(self, writes: list[Move], have: dict[BlockKey, Held], done: Applied,
-                     gone: set[BlockKey]) -> list[tuple[Move, bool]]:
+    async def _write(self, writes: list[Move[BlockKey]], have: dict[BlockKey, Held], done: Applied,
+                     gone: set[BlockKey]) -> list[tuple[Move[BlockKey], bool]]:
         """Put every write, one ``put_many`` per tier and block class; the
         moves a tier refused, and whether it was full (NO_SPACE)."""
-        groups: dict[tuple[int, BlockSpec], list[Move]] = {}
+        groups: dict[tuple[int, BlockSpec], list[Move[BlockKey]]] = {}
         for m in writes:
             groups.setdefault((m.tier, have[m.key].spec), []).append(m)
         refused = []
@@ -259,7 +258,7 @@ class Executor:
             await self._undo_overtaken(t, group, outs, gone)
         return refused
 
-    async def _undo_overtaken(self, t: int, group: list[Move], outs: list[PutOutcome],
+    async def _undo_overtaken(self, t: int, group: list[Move[BlockKey]], outs: list[PutOutcome],
                               gone: set[BlockKey]) -> None:
         """Writes that landed after a later plan had already evicted the block
         from this tier (its delete may have run first): delete them again, so
@@ -270,7 +269,7 @@ class Executor:
             await self.tiers[t].delete_many(stale)
             gone.update(stale)
 
-    def _count_write(self, m: Move, spec: BlockSpec, out: PutOutcome) -> None:
+    def _count_write(self, m: Move[BlockKey], spec: BlockSpec, out: PutOutcome) -> None:
         counters = self.stats.tier(self.tiers[m.tier].name)
         if out is not PutOutcome.STORED:
             return
@@ -282,11 +281,11 @@ class Executor:
             counters.promotions_in += 1
 
 
-def net_effect(moves: Sequence[Move]) -> tuple[list[tuple[Key, int]], list[Move]]:
+def net_effect(moves: Sequence[Move[K]]) -> tuple[list[tuple[K, int]], list[Move[K]]]:
     """(deletes, writes) a plan amounts to, per (key, tier): a drop of what
     was there and is not put back; the last write of what was not there."""
-    first: dict[tuple[Key, int], Kind] = {}
-    last: dict[tuple[Key, int], Move] = {}
+    first: dict[tuple[K, int], Kind] = {}
+    last: dict[tuple[K, int], Move[K]] = {}
     for m in moves:
         first.setdefault((m.key, m.tier), m.kind)
         last[(m.key, m.tier)] = m

@@ -46,13 +46,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, cast
 
 from kvstore.errors import KVStoreError
-from kvstore.policies.base import EvictionPolicy, Key, PlacementPolicy
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy
 
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
+
+
+K = TypeVar("K", bound=Hashable)   # a block key (BlockKey in the store; a trace's hash id in a replay)
 
 
 class Kind(enum.Enum):
@@ -72,9 +76,9 @@ class Cause(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Move:
+class Move(Generic[K]):
     kind: Kind
-    key: Key
+    key: K
     tier: int
     src: int | None = None       # COPY only
     cause: Cause = Cause.PUT
@@ -104,31 +108,31 @@ class TierPlan:
 
 
 @dataclass(slots=True)
-class PutPlan:
+class PutPlan(Generic[K]):
     """The moves of one put, and per key: ``"planned"`` (moves write it),
     ``"exists"`` (every target holds it already), ``"declined"`` (the
     placement stores it nowhere) or ``"no_room"`` (nothing could be evicted
     for it anywhere, or not in the durable tier)."""
 
-    moves: list[Move] = field(default_factory=list)
+    moves: list[Move[K]] = field(default_factory=list)
     status: list[str] = field(default_factory=list)
 
 
-class _Either:
+class _Either(Generic[K]):
     """``a or b`` as one Container (the protected set of a hit batch)."""
 
     __slots__ = ("a", "b")
 
-    def __init__(self, a: Container[Key], b: Container[Key]) -> None:
+    def __init__(self, a: Container[K], b: Container[K]) -> None:
         self.a, self.b = a, b
 
     def __contains__(self, key: object) -> bool:
         return key in self.b or key in self.a
 
 
-class Planner:
+class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
-                 protected: Container[Key] = frozenset(), durable: int | None = None) -> None:
+                 protected: Container[K] = frozenset(), durable: int | None = None) -> None:
         """``durable``: a persistent tier every put also writes to, with no
         fall-through below it (the store's ``durable_tier``)."""
         if not tiers:
@@ -139,35 +143,35 @@ class Planner:
         self.placement = placement
         self.protected = protected
         self.durable = durable
-        self._held: dict[Key, tuple[int, int]] = {}    # key -> (tier bitmask, nbytes)
-        self._moves: list[Move] = []                    # the plan being made
-        self._guard: Container[Key] = protected         # never evicted while planning
+        self._held: dict[K, tuple[int, int]] = {}    # key -> (tier bitmask, nbytes)
+        self._moves: list[Move[K]] = []                    # the plan being made
+        self._guard: Container[K] = protected         # never evicted while planning
 
     # -- beliefs ---------------------------------------------------------------
-    def locate(self, key: Key) -> int | None:
+    def locate(self, key: K) -> int | None:
         """The fastest tier believed to hold ``key``."""
         mask = self._held.get(key, (0, 0))[0]
         return (mask & -mask).bit_length() - 1 if mask else None
 
-    def holds(self, key: Key, tier: int) -> bool:
+    def holds(self, key: K, tier: int) -> bool:
         return bool(self._held.get(key, (0, 0))[0] >> tier & 1)
 
-    def held_anywhere(self, key: Key) -> bool:
+    def held_anywhere(self, key: K) -> bool:
         return key in self._held
 
-    def keys_in(self, tier: int) -> list[Key]:
+    def keys_in(self, tier: int) -> list[K]:
         return [k for k, (mask, _) in self._held.items() if mask >> tier & 1]
 
     def __len__(self) -> int:
         return len(self._held)
 
     # -- requests --------------------------------------------------------------
-    def request(self, keys: Sequence[Key], now: float, followup: float | None = None) -> None:
+    def request(self, keys: Sequence[K], now: float, followup: float | None = None) -> None:
         """A request's sealed keys, in prefix order (what the placement learns from)."""
         self.placement.on_request(keys, now, followup)
 
-    def hits(self, keys: Sequence[Key], tiers: Sequence[int], nbytes: int | None = None,
-             adopt: Container[Key] = frozenset()) -> list[Move]:
+    def hits(self, keys: Sequence[K], tiers: Sequence[int], nbytes: int | None = None,
+             adopt: Container[K] = frozenset()) -> list[Move[K]]:
         """Blocks read from ``tiers``: touch them, and promote where the
         placement says (never evicting another block of this batch). A hit
         the planner does not hold (any more) is passed over, unless it is in
@@ -193,9 +197,9 @@ class Planner:
             self._guard = self.protected
         return self._take()
 
-    def put(self, keys: Sequence[Key], nbytes: int) -> PutPlan:
+    def put(self, keys: Sequence[K], nbytes: int) -> PutPlan[K]:
         """Blocks just computed, ``nbytes`` each."""
-        plan = PutPlan()
+        plan: PutPlan[K] = PutPlan()
         last = len(self.tiers) - 1
         for key in keys:
             self._moves = []
@@ -215,14 +219,14 @@ class Planner:
             plan.moves += self._take()
         return plan
 
-    def _put_into(self, key: Key, nbytes: int, first: int, last: int) -> str:
+    def _put_into(self, key: K, nbytes: int, first: int, last: int) -> str:
         if self.holds(key, first):
             self.tiers[first].order.insert(key)     # a known key is touched
             return "exists"
         return "planned" if self._place(key, first, last, nbytes=nbytes, cause=Cause.PUT) is not None \
             else "no_room"
 
-    def prefetch(self, keys: Sequence[Key], to: int) -> list[Move]:
+    def prefetch(self, keys: Sequence[K], to: int) -> list[Move[K]]:
         """Copy each key held below tier ``to`` up into it (or as far up as room allows)."""
         self._moves = []
         for key in keys:
@@ -231,7 +235,7 @@ class Planner:
                 self._place(key, to, src - 1, src=src, cause=Cause.PREFETCH)
         return self._take()
 
-    def flush(self) -> list[Move]:
+    def flush(self) -> list[Move[K]]:
         """Copy what only volatile tiers hold to the first persistent tier
         below them (a graceful shutdown then loses nothing)."""
         self._moves = []
@@ -246,20 +250,20 @@ class Planner:
         return self._take()
 
     # -- feedback --------------------------------------------------------------
-    def adopt(self, key: Key, tier: int, nbytes: int) -> None:
+    def adopt(self, key: K, tier: int, nbytes: int) -> None:
         """``tier`` holds ``key`` (found at start-up): track it, no move."""
         if not self.holds(key, tier):
             self._add(key, tier, nbytes)
         self.tiers[tier].order.insert(key)
 
-    def lost(self, key: Key, tier: int) -> None:
+    def lost(self, key: K, tier: int) -> None:
         """``tier`` no longer holds ``key`` (evicted by itself, corrupt,
         expired, invalidated)."""
         if self.holds(key, tier):
             self.tiers[tier].lost += 1
             self._remove(key, tier)
 
-    def refused(self, move: Move, *, full: bool = False) -> list[Move]:
+    def refused(self, move: Move[K], *, full: bool = False) -> list[Move[K]]:
         """A STORE / COPY into ``move.tier`` did not happen: forget it. A
         budgeted tier that was ``full`` after all (its real room is less than
         its budget says: a DRAM slab page held by another block size) gets
@@ -293,18 +297,18 @@ class Planner:
             victims = self.tiers[t].order.evict(1, self._guard)
             if not victims:
                 break
-            self._evict(victims[0], t)
+            self._evict(cast(K, victims[0]), t)   # an order holds only keys this planner put in it
             done += 1
         return done
 
-    def cancel(self, move: Move) -> None:
+    def cancel(self, move: Move[K]) -> None:
         """A planned STORE / COPY that cannot be made (its source was
         unreadable): forget it, with no fall-through."""
         if move.kind is not Kind.DROP and self.holds(move.key, move.tier):
             self._remove(move.key, move.tier)
             self.tiers[move.tier].writes -= 1
 
-    def discard(self, key: Key, tiers: Iterable[int]) -> list[Move]:
+    def discard(self, key: K, tiers: Iterable[int]) -> list[Move[K]]:
         """Drop ``key`` from ``tiers`` (what a refused durable put left behind)."""
         moves = []
         for t in tiers:
@@ -314,7 +318,7 @@ class Planner:
         return moves
 
     # -- internals -------------------------------------------------------------
-    def _place(self, key: Key, first: int, last: int, *, src: int | None = None,
+    def _place(self, key: K, first: int, last: int, *, src: int | None = None,
                nbytes: int | None = None, cause: Cause) -> int | None:
         """Write ``key`` into the first tier in ``first..last`` that has (or
         can make) room; the tier it landed in, or None."""
@@ -348,10 +352,10 @@ class Planner:
             victims = plan.order.evict(1, self._guard)
             if not victims:
                 return False
-            self._evict(victims[0], t)
+            self._evict(cast(K, victims[0]), t)
         return True
 
-    def _evict(self, key: Key, t: int) -> None:
+    def _evict(self, key: K, t: int) -> None:
         """``key`` leaves tier ``t``: demote it first if the placement says so."""
         plan = self.tiers[t]
         plan.evictions += 1
@@ -361,13 +365,13 @@ class Planner:
         self._remove(key, t)
         self._moves.append(Move(Kind.DROP, key, t, cause=Cause.EVICT))
 
-    def _add(self, key: Key, t: int, nbytes: int) -> None:
+    def _add(self, key: K, t: int, nbytes: int) -> None:
         mask, _ = self._held.get(key, (0, nbytes))
         self._held[key] = (mask | 1 << t, nbytes)
         need = self.tiers[t].footprint(nbytes)
         self.tiers[t].used += need or 0
 
-    def _remove(self, key: Key, t: int) -> None:
+    def _remove(self, key: K, t: int) -> None:
         mask, nbytes = self._held[key]
         mask &= ~(1 << t)
         if mask:
@@ -378,12 +382,12 @@ class Planner:
         plan.order.remove(key)
         plan.used -= plan.footprint(nbytes) or 0
 
-    def _take(self) -> list[Move]:
+    def _take(self) -> list[Move[K]]:
         moves, self._moves = self._moves, []
         return moves
 
 
-def extra_copies(writes: Iterable[Move]) -> int:
+def extra_copies(writes: Iterable[Move[K]]) -> int:
     """Copies of computed blocks beyond each block's first, among ``writes``
     (the writes that landed): what a write-through placement costs at put time."""
     stored = Counter(m.key for m in writes if m.kind is Kind.STORE and m.cause is Cause.PUT)

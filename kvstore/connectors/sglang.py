@@ -123,7 +123,7 @@ class KVStoreHiCache(HiCacheStorage):
         # for all, so the TP shard is not part of an MLA identity
         tp_size, tp_rank = (1, 0) if sc.is_mla_model else (sc.tp_size, sc.tp_rank)
         return build_identity(
-            engine="sglang", model_id=user.pop("model_id", None) or sc.model_name or "unknown",
+            engine="sglang", model_id=user.pop("model_id", "") or sc.model_name or "unknown",
             layout=layout, user=user, tp_size=tp_size, tp_rank=tp_rank,
             pp_size=sc.pp_size, pp_stage=sc.pp_rank,
             engine_extra={"sglang": sglang_version(), "host_layout": host_layout,
@@ -172,8 +172,9 @@ class KVStoreHiCache(HiCacheStorage):
         # a contiguous page is filled in place; others go through one staging copy
         staging = np.empty((len(keys), ident.layout.block_bytes), dtype=np.uint8)
         dsts = [_bytes_of(p) if p.is_contiguous() else staging[i] for i, p in enumerate(pages)]
+        unavailable: list[MissReason | None] = [MissReason.TIER_UNAVAILABLE] * len(keys)
         res = self.guard.call("get", lambda: self.store.get_into(
-            ident, [self.block_key(k) for k in keys], dsts), [MissReason.TIER_UNAVAILABLE] * len(keys))
+            ident, [self.block_key(k) for k in keys], dsts), unavailable)
         for i, (page, r) in enumerate(zip(pages, res)):
             if r is None and not page.is_contiguous():
                 pool.set_from_flat_data_page(starts[i], self._tensor(staging[i]))
@@ -197,8 +198,9 @@ class KVStoreHiCache(HiCacheStorage):
         targets = list(target_locations) if target_locations is not None else \
             [torch.empty(self._page_shape, dtype=self._dtype) for _ in keys]
         dsts = [_bytes_of(t) for t in targets]
+        unavailable: list[MissReason | None] = [MissReason.TIER_UNAVAILABLE] * len(keys)
         res = self.guard.call("get", lambda: self.store.get_into(
-            ident, [self.block_key(k) for k in keys], dsts), [MissReason.TIER_UNAVAILABLE] * len(keys))
+            ident, [self.block_key(k) for k in keys], dsts), unavailable)
         return [t if r is None else None for t, r in zip(targets, res)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
@@ -223,8 +225,9 @@ class KVStoreHiCache(HiCacheStorage):
 
     def clear(self) -> None:
         """Drop this identity's pages from every tier."""
-        if self.identity is not None:
-            self.guard.call("invalidate", lambda: self.store.invalidate(self.identity), 0)
+        ident = self.identity
+        if ident is not None:
+            self.guard.call("invalidate", lambda: self.store.invalidate(ident), 0)
 
     def get_stats(self) -> Any:
         return self.guard.call("stats", self.store.stats, None)

@@ -55,7 +55,7 @@ from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 PEERS = ("lmcache",)
 PEER_TIERS = {"dram": "lmcache-cpu", "nvme": "lmcache-disk"}   # our tier -> the peer's
 TICK = "@@kvstore-peer-tick"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALL_HINT = ("install lmcache into the vLLM venv: .venv-vllm/bin/pip install --no-deps lmcache==0.5.6 "
                 "&& .venv-vllm/bin/pip install sortedcontainers aiofiles aiofile nvtx redis "
                 "(or pass --peer-python PATH to an interpreter that can import lmcache and kvstore)")

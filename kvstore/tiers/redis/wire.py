@@ -319,7 +319,7 @@ async def read_payload(reader, head: RecordHeader,
         if head.flags & FLAG_CHECKSUM and checksum(scratch) != head.checksum:
             return False
         try:
-            compress.decode_into(scratch, head.flags, dst)
+            compress.decode_into(memoryview(scratch), head.flags, dst)
         except CorruptRecord:
             return False
         return True

@@ -341,7 +341,7 @@ class RegimePlacement:
                                        clock=clock)
         self._freq = FrequencyFilter(width=config.filter_width)
         self._model = ReuseModel(power=config.class_weight_power)
-        self._orders: dict[int, ClassedLRU] = {}
+        self._orders: dict[int, SegmentLRU | ClassedLRU] = {}
         self._caps = {i: (capacities or {}).get(t, 0) // config.tokens_per_key
                       for i, t in enumerate(self.tiers)} if capacities else {}
         self.regime = config.initial
@@ -466,6 +466,7 @@ class RegimePlacement:
         if tier not in self.tiers:
             raise ConfigError(f"tier {tier!r} is not one of {self.tiers}")
         m = self._model
+        order: SegmentLRU | ClassedLRU
         if self.config.order == "hazard":
             h = self.config.horizon_scale
             # least likely reused within the horizon first; age breaks ties

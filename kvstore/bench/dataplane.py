@@ -198,6 +198,7 @@ def _redis_tier(cfg: DataPlaneConfig, blocks: int, policy: str):
     from kvstore.record import HEADER_BYTES
     from kvstore.tiers.redis import RedisConfig, RedisTier
     prefix = f"kvsreplay:{os.getpid()}:{secrets.token_hex(4)}:{policy}:"
+    assert cfg.redis_url is not None, "a redis tier needs a URL"
     return RedisTier(RedisConfig(url=cfg.redis_url, capacity_bytes=blocks * (HEADER_BYTES + cfg.block_bytes),
                                  prefix=prefix))
 

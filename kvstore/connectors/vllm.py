@@ -46,6 +46,7 @@ and shared by both sides in one process (see ``shared_store``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -274,7 +275,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         found = []
         for k in keys:
             probe = st.counted
-            found.append(self.guard.call("lookup", lambda k=k, probe=probe: prefix(k, probe), 0))
+            found.append(self.guard.call("lookup", functools.partial(prefix, k, probe), 0))
             st.counted = True
         return min(found)
 
@@ -342,9 +343,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         todo = list(range(st.saved_upto, sealed))
         # skip blocks the store already holds (another request computed them);
         # a probe: this request was counted when it was scheduled
+        nowhere: list[str | None] = [None] * len(todo)
         held = self.guard.call(
-            "lookup", lambda: self.store.lookup([keys[0][i] for i in todo], probe=True).tiers,
-            [None] * len(todo))
+            "lookup", lambda: self.store.lookup([keys[0][i] for i in todo], probe=True).tiers, nowhere)
         todo = [i for i, where in zip(todo, held) if where is None]
         st.saved_upto = sealed
         if todo:
@@ -408,7 +409,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         for plan, blocks in self.worker.finish_saves():
             ident = self._plan_identity(plan)
             keys = [BlockKey(k) for k in plan.keys[self.rank]]
-            self.guard.call("put", lambda i=ident, k=keys, b=blocks: self.store.put(i, k, list(b)), None)
+            self.guard.call("put", functools.partial(self.store.put, ident, keys, list(blocks)), None)
             n += len(keys)
         if n:
             log.debug("kvstore: saved %d blocks in %.1f ms", n, 1e3 * (time.perf_counter() - started))
@@ -496,8 +497,8 @@ class _Worker:
                 self._scatter(blocks, rows, [block_ids[first + i] for i in rows])
             scatter_s += time.perf_counter() - t
 
-        res = guard.call("get", lambda: store.get_views(ident, keys, scatter),
-                         [MissReason.TIER_UNAVAILABLE] * n)
+        unavailable: list[MissReason | None] = [MissReason.TIER_UNAVAILABLE] * n
+        res = guard.call("get", lambda: store.get_views(ident, keys, scatter), unavailable)
         hits = sum(r is None for r in res)
         self.load_errors.update(block_ids[i] for i, r in enumerate(res) if r is not None)
         log.debug("kvstore: loaded %d of %d blocks (%.1f MiB) in %.1f ms, %.1f ms of it scattering",

@@ -107,6 +107,7 @@ class RedisTier(TierOps):
     """
 
     persistent = True      # records live in the server, not in this process
+    counters: RedisCounters
     self_evicting = False  # the ledger answers NO_SPACE; see the module docstring
 
     def __init__(self, config: RedisConfig, *, clock: Callable[[], float] = time.monotonic,

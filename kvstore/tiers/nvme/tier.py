@@ -58,6 +58,7 @@ class NvmeTier(TierOps):
     """
 
     persistent = True
+    counters: NvmeCounters
     self_evicting = True      # evicts its oldest segment when full; see drain_evicted()
 
     def __init__(self, config: NvmeConfig) -> None:
@@ -157,7 +158,8 @@ class NvmeTier(TierOps):
                                        else memoryview(cast("Buffer", payload)).nbytes)
             tomb = is_tombstone(head)
             try:
-                where = self.index.reserve(size, tombstone=tomb and not keep_pins)
+                where: tuple[Segment, int] | OSError | None = self.index.reserve(
+                    size, tombstone=tomb and not keep_pins)
             except OSError as exc:   # a new segment file could not be made (EMFILE, ENOSPC)
                 self.counters.write_errors += 1
                 log.error("%s: cannot create a segment in %s: %s", self.name, self.config.path, exc)

@@ -353,10 +353,10 @@ class SegmentLRU(OrderPolicy):
         return key in self._where
 
 
-POLICIES = {"lru": LRU, "s3fifo": S3FIFO}
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "s3fifo": S3FIFO}
 
 
-def make_eviction(name: str) -> OrderPolicy:
+def make_eviction(name: str) -> EvictionPolicy:
     """Build an eviction policy by name (``lru`` or ``s3fifo``)."""
     try:
         return POLICIES[name]()

@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.simulate import PlanReplay, StepResult
@@ -198,7 +198,8 @@ class Replayer(Protocol):
     replay (:class:`kvstore.bench.dataplane.StoreReplay`). ``close()``
     returns the data plane's summary ({} for none)."""
 
-    planner: Planner
+    @property
+    def planner(self) -> Planner: ...
 
     def begin_request(self, req: TraceRequest) -> None: ...
 
@@ -406,7 +407,7 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
         policies[name] = summarize(run, requests, cfg, cost)
         if run.data_plane is not None:
             policies[name]["data_plane"] = run.data_plane
-    result = {"policies": policies, "cost_model": cost.describe(),
+    result: dict[str, Any] = {"policies": policies, "cost_model": cost.describe(),
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
                          "regime_mode": cfg.regime_mode, "thresholds": list(cfg.thresholds),

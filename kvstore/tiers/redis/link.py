@@ -177,6 +177,7 @@ class RedisLink:
         c = self.config
         bound = c.socket_timeout_s + nbytes / c.min_bandwidth
         hung = False
+        error: BaseException | None = None
         for attempt in range(c.retries + 1):
             try:
                 async with asyncio.timeout(bound):

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import HEADER_BYTES, BlockSpec
 
@@ -49,8 +50,8 @@ class TierBenchConfig:
             raise ConfigError("the redis tier needs --redis-url (or KVSTORE_REDIS_URL)")
 
 
-def keys_for(n: int) -> list[bytes]:
-    return [(i + 1).to_bytes(8, "big") * 4 for i in range(n)]
+def keys_for(n: int) -> list[BlockKey]:
+    return [BlockKey((i + 1).to_bytes(8, "big") * 4) for i in range(n)]
 
 
 def make_blocks(n: int, nbytes: int, seed: int = 0) -> list[np.ndarray]:
@@ -232,7 +233,7 @@ def bench_nvme(cfg: TierBenchConfig, tick: Callable[[], None]) -> list[dict]:
     return [put_row, nosync_row, row("nvme", "get", bb, get, raw_get)]
 
 
-def _nvme_put_unsynced(loop, cfg: TierBenchConfig, tier_dir: str, keys: list[bytes],
+def _nvme_put_unsynced(loop, cfg: TierBenchConfig, tier_dir: str, keys: list[BlockKey],
                        src: list[np.ndarray]) -> float:
     """GB/s of puts into an NVMe tier with durability none (no fdatasync)."""
     from kvstore.tiers.nvme import NvmeConfig, NvmeTier  # noqa: PLC0415

@@ -26,10 +26,11 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvstore.bench.tiers import keys_for
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.record import BlockSpec
 from kvstore.tiers.hbm import HbmConfig, HbmTier, slot_bytes_for
@@ -46,8 +47,8 @@ def measure(block_bytes: int = 2 << 20, n_blocks: int = 64, repeats: int = 5, *,
     Blocking: runs its own event loop. Allocates ``n_blocks * block_bytes``
     on the device twice (tier arena + raw target) and once per host kind.
     """
-    tier = HbmTier(HbmConfig(capacity_bytes=n_blocks * slot_bytes_for(block_bytes),
-                             block_bytes=block_bytes, device=device))
+    tier = HbmTier(HbmConfig.from_dict({"capacity_bytes": n_blocks * slot_bytes_for(block_bytes),
+                                        "block_bytes": block_bytes, "device": device}))
     loop = asyncio.new_event_loop()
     try:
         return [row for host in hosts for row in
@@ -76,11 +77,12 @@ def _host_buffer(backend, host: str, total: int, seed: int) -> tuple[np.ndarray,
 
 def _measure_host(tier: HbmTier, loop, host: str, block_bytes: int, n_blocks: int, repeats: int,
                   batch: int, seed: int, tick, clock) -> list[dict]:
-    backend, total = tier.backend, block_bytes * n_blocks
+    backend: Any = tier.backend      # cupy's or numpy's: handles are device pointers or arrays
+    total = block_bytes * n_blocks
     pinned, buf = _host_buffer(backend, host, total, seed)
     dev, stream = backend.alloc_device(total), backend.new_stream()
     spec = BlockSpec.raw(block_bytes)
-    keys = [(i + 1).to_bytes(8, "big") * 4 for i in range(n_blocks)]
+    keys = keys_for(n_blocks)
     views = [buf[i * block_bytes:(i + 1) * block_bytes] for i in range(n_blocks)]
     h_host, h_dev = backend.handle(pinned), backend.handle(dev)
     chunks = [range(i, min(i + batch, n_blocks)) for i in range(0, n_blocks, batch)]

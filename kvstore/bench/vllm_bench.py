@@ -42,7 +42,7 @@ from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 CASES = ("cold", "warm_same", "warm_fresh", "warm_restart")
 WARM = CASES[1:]
 DAEMON_TOKEN = "kvstore-bench-vllm"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class BenchFailure(KVStoreError):
