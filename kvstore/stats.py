@@ -44,6 +44,9 @@ class StoreStats:
     lookup_hit_blocks: int = 0
     prefetches: int = 0
     prefetched_blocks: int = 0
+    prefetch_issued: int = 0       # blocks a lookup asked to promote ahead of their load (the placement's call)
+    prefetch_useful: int = 0       # of those, read from the tier they were promoted to
+    prefetch_wasted: int = 0       # left that tier (or were read from a slower one) before any read
     invalidated_blocks: int = 0
     writethrough_blocks: int = 0   # copies of put blocks written beyond each block's first
 
@@ -89,6 +92,8 @@ class StoreStats:
             "lookups": self.lookups, "probes": self.probes, "lookup_blocks": self.lookup_blocks,
             "lookup_hit_blocks": self.lookup_hit_blocks,
             "prefetches": self.prefetches, "prefetched_blocks": self.prefetched_blocks,
+            "prefetch_issued": self.prefetch_issued, "prefetch_useful": self.prefetch_useful,
+            "prefetch_wasted": self.prefetch_wasted,
             "invalidated_blocks": self.invalidated_blocks,
             "writethrough_blocks": self.writethrough_blocks,
         }

@@ -41,6 +41,7 @@ from kvstore.errors import (
     InvalidBlock,
     InvalidHint,
     InvalidKey,
+    KVStoreError,
     TierUnavailable,
 )
 from kvstore.identity import CacheIdentity, KVLayout
@@ -663,3 +664,52 @@ def metric(text: str, name: str, **labels: str) -> float:
                 return sample.value
     raise AssertionError(f"no sample {name}{labels}")
 
+
+
+def test_engines_report_their_own_cache_and_the_store_sums_them(tmp_path):
+    """The regime policy's HBM is the engines' own prefix caches: each
+    engine's connector reports its size; the daemon sums them per engine,
+    bounded per tenant, and a new report from an engine replaces its last."""
+    from kvstore.daemon.ops import MAX_ENGINES_PER_TENANT
+    from kvstore.store.tiered import MAX_ENGINE_TOKENS
+    cfg = daemon_config(tmp_path)
+    cfg = Config(store=cfg.store, daemon=cfg.daemon, policy={"name": "regime", "thresholds": "auto"})
+    d = ThreadDaemon(cfg)
+    try:
+        with client(d.url, TOK_A) as a, client(d.url, TOK_B) as b:
+            assert a.report_engine(1000) == 1000
+            assert b.report_engine(500) == 1500
+            assert a.report_engine(2000) == 2500                 # the same engine again: replaced
+            placement = d.daemon.store.placement
+            assert placement.thresholds[0] == 2500               # auto: t1 follows the engines' HBM
+            assert a.stats()["engine_hbm_tokens"] == 2500
+            for bad in (-1, True, MAX_ENGINE_TOKENS + 1, 1.5):
+                with pytest.raises(KVStoreError):
+                    a.report_engine(bad)
+            assert b.report_engine(0) == 2000                    # an engine with no cache counts for nothing
+            keys, blocks = blocks_for(300)
+            a.lookup(keys)
+            from prometheus_client.parser import text_string_to_metric_families
+            got = {s.name: s.value for f in text_string_to_metric_families(a.metrics()) for s in f.samples
+                   if not s.labels or s.name.startswith("kvstore_regime_thresholds")}
+            assert got["kvstore_engine_hbm_tokens"] == 2000 and got["kvstore_regime"] in (0, 1, 2, 3)
+            assert got["kvstore_working_set_tokens"] == placement.stats()["working_set_tokens"] > 0
+            assert "kvstore_placement_saves_declined_total" in got and "kvstore_placement_spills_total" in got
+        # a tenant that names many engines keeps only its newest ones
+        for i in range(MAX_ENGINES_PER_TENANT + 5):
+            with client(d.url, TOK_B) as b2:
+                total = b2.report_engine(10)
+        assert total == 2000 + 10 * MAX_ENGINES_PER_TENANT
+    finally:
+        d.stop()
+
+
+def test_an_in_process_store_takes_an_engine_report(tmp_path):
+    with open_store({"store": {"dram": {"capacity_bytes": "4MiB"}},
+                     "policy": {"name": "regime", "thresholds": "auto"}}) as s:
+        assert s.report_engine(4096) == 4096
+        assert s.stats()["engine_hbm_tokens"] == 4096 and s.stats()["placement"]["thresholds"][0] == 4096
+        with pytest.raises(ConfigError):
+            s.report_engine(-5)
+    with open_store({"store": {"dram": {"capacity_bytes": "4MiB"}}}) as s:   # a policy that needs no HBM figure
+        assert s.report_engine(4096) == 4096

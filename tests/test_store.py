@@ -18,6 +18,7 @@ from kvstore.store.tiered import TieredStore
 from kvstore.tiers.dram import DramConfig, DramTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
+from kvstore.tiers.segments import SEGMENT_HEADER_BYTES
 from tests.placements import RecordingPlacement
 
 ID = CacheIdentity("test/model", KVLayout(2, 2, 32, 16, dtype="float16"))
@@ -393,7 +394,7 @@ def test_a_durable_put_the_disk_refuses_leaves_no_copy_behind(run, tmp_path):
     NVMe segment pinned), and the DRAM copy this put made is taken back, so
     nothing unacknowledged lingers (a daemon would not count it to a quota)."""
     keys = block_keys(ID, list(range(16 * 10)))
-    from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
+    from kvstore.tiers.segments import FRAME_HEAD_BYTES
     rec = BB + FRAME_HEAD_BYTES
     nvme = NvmeTier(NvmeConfig(tmp_path / "nvme", 4 * (SEGMENT_HEADER_BYTES + rec),   # 4 one-block segments
                                segment_bytes=SEGMENT_HEADER_BYTES + rec, durability="fsync",
@@ -441,3 +442,61 @@ def test_audit_sees_a_block_a_tier_dropped_behind_the_planner(run):
     assert run(s.alookup(KEYS[:3])).prefix_blocks == 1   # lookup reconciles ...
     (a,) = s.audit()
     assert a.planned == a.held                           # ... and the planner forgets it
+
+
+def test_a_lookup_promotes_its_prefix_ahead_of_the_load_when_the_regime_says_it_pays(tmp_path):
+    """Regime DRAM / SPILL: a request whose prefix sits on NVMe has it copied
+    to DRAM right after the lookup, before the engine's get; counted as
+    issued, then useful (read from DRAM) or wasted (gone before the read)."""
+    from kvstore.policies.regime import RegimeConfig, RegimePlacement
+    bb = ID.layout.block_bytes
+    rec = SEGMENT_HEADER_BYTES + bb + 256
+
+    async def main():
+        dram = DramTier(DramConfig(capacity_bytes=4 * bb, page_bytes=4 * bb, pinned="no"))
+        nvme = NvmeTier(NvmeConfig(tmp_path / "nvme", 64 * rec, segment_bytes=4 * rec, background_compaction=False))
+        placement = RegimePlacement(["dram", "nvme"], RegimeConfig(thresholds=(16, 32, 48), hysteresis=0.0))
+        store = TieredStore([dram, nvme], placement=placement)
+        keys = block_keys(ID, range(16 * 8))
+        blocks = [np.full(bb, i, np.uint8) for i in range(8)]
+        for _ in range(2):                                  # seen twice: NVMe's filter admits them
+            await store.alookup(keys)
+        assert placement.regime.name == "SPILL"
+        assert await store.aput(ID, keys, blocks) == [PutOutcome.STORED] * 8
+        on_nvme = [k for k in keys if store.planner.locate(k) == 1]
+        assert len(on_nvme) >= 4, "DRAM holds 4: the rest spilled to NVMe"
+        res = await store.alookup(on_nvme[:2])
+        assert res.tiers == ["nvme", "nvme"] and store.stats.prefetch_issued == 2
+        await asyncio.gather(*store._tasks)                  # the promotion lands before the load
+        assert [store.planner.locate(k) for k in on_nvme[:2]] == [0, 0]
+        dsts = [np.empty(bb, np.uint8) for _ in range(2)]
+        assert await store.aget_into(ID, on_nvme[:2], dsts) == [None, None]
+        assert store.stats.prefetch_useful == 2 and store.stats.prefetch_wasted == 0
+        # a promotion the store evicts again before the engine reads it is wasted
+        res = await store.alookup(on_nvme[2:4])
+        await asyncio.gather(*store._tasks)
+        others = [k for k in keys if k not in on_nvme[:4]]
+        await store.alookup(others)                         # promotes these, evicting the last ones
+        await asyncio.gather(*store._tasks)
+        await store.aget_into(ID, on_nvme[2:4], [np.empty(bb, np.uint8) for _ in range(2)])
+        snap = store.snapshot()
+        assert snap["prefetch_issued"] >= 4 and snap["prefetch_useful"] + snap["prefetch_wasted"] <= \
+            snap["prefetch_issued"]
+        await store.aclose()
+    asyncio.run(main())
+
+
+def test_no_promotion_ahead_of_a_load_in_the_low_regimes_or_under_lru(tmp_path):
+    bb = ID.layout.block_bytes
+    rec = SEGMENT_HEADER_BYTES + bb + 256
+
+    async def main():
+        dram = DramTier(DramConfig(capacity_bytes=4 * bb, page_bytes=4 * bb, pinned="no"))
+        nvme = NvmeTier(NvmeConfig(tmp_path / "nvme", 64 * rec, segment_bytes=4 * rec, background_compaction=False))
+        store = TieredStore([dram, nvme])                   # the lru cascade: no promotion on lookup
+        keys = block_keys(ID, range(16 * 8))
+        await store.aput(ID, keys, [np.full(bb, i, np.uint8) for i in range(8)])
+        await store.alookup(keys)
+        assert store.stats.prefetch_issued == 0 and not store._tasks
+        await store.aclose()
+    asyncio.run(main())

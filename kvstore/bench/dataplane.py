@@ -299,6 +299,7 @@ class StoreReplay:
                      followup: float | None) -> StepResult:
         store, nb = self.store, self._nbytes
         look = await store.alookup(keys, followup=followup)
+        await store.apromotions_landed()      # as in the planner replay: promotions land before the load
         prefix = look.prefix_blocks
         hits = [self.names.index(t) for t in look.tiers[:prefix] if t is not None]
         if prefix:

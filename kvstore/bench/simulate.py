@@ -57,7 +57,13 @@ class PlanReplay:
                 break
             hits.append(t)
         res = StepResult(hits)
-        self._run(p.hits(keys[:len(hits)], hits), res)
+        # the placement's promotions ahead of the load land before it (the
+        # store issues them at lookup; its replay waits for them, see dataplane)
+        prefix = frozenset(keys[:len(hits)])
+        for to, ahead in p.promotions_ahead(keys[:len(hits)], hits).items():
+            self._run(p.prefetch(ahead, to, keep=prefix), res)
+        now_at = [p.locate(k) for k in keys[:len(hits)]]
+        self._run(p.hits(keys[:len(hits)], [t if t is not None else h for t, h in zip(now_at, hits)]), res)
         limit = len(keys) if storable is None else min(storable, len(keys))
         moves = p.put(keys[len(hits):limit], 1).moves
         res.writethrough_blocks = extra_copies(net_effect(moves)[1])   # what the store writes

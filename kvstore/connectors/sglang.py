@@ -116,6 +116,11 @@ class KVStoreHiCache(HiCacheStorage):
                                        str(getattr(mem_pool_host, "layout", "layer_first")))
         self._page_shape = tuple(page.shape)
         self._dtype = page.dtype
+        # the engine's device pool is the HBM above the store's tiers (its
+        # host pools name it device_pool; a pool type without one reports nothing)
+        tokens = getattr(getattr(mem_pool_host, "device_pool", None), "size", None)
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            self.guard.call("report_engine", lambda: self.store.report_engine(tokens), 0)
 
     def _identity(self, layout: KVLayout, host_layout: str) -> CacheIdentity:
         sc, user = self.storage_config, dict(self.config.identity)

@@ -229,6 +229,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                           for r in range(self.tp_size)]
             self.block_size = self.bases[0].layout.block_tokens
             self.requests: dict[str, _ReqState] = {}
+            # the engine's own prefix cache is the HBM above the store's tiers
+            hbm_tokens = kv_cache_config.num_blocks * self.block_size
+            self.guard.call("report_engine", functools.partial(self.store.report_engine, hbm_tokens), 0)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0

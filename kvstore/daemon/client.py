@@ -33,6 +33,7 @@ import functools
 import json
 import mmap
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -54,7 +55,7 @@ from kvstore.daemon.protocol import (
     unpack_meta,
 )
 from kvstore.daemon.shm import is_sealed, populated_mmap, recv_exact_with_fds, unmap
-from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
+from kvstore.errors import AuthFailed, ConfigError, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import MissReason, PutOutcome
@@ -220,6 +221,7 @@ class RemoteStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-remote")
         self._closed = False
         self._max_request: int | None = None    # the daemon's request limit, learnt from its HELLO
+        self._engine_id = secrets.token_hex(8)   # names this client's engine in report_engine
 
     # -- connections ------------------------------------------------------------
     def _acquire(self) -> tuple[_Connection, bool]:
@@ -430,6 +432,14 @@ class RemoteStore:
         keys = [check_key(k) for k in keys]
         for p in self._chunks(len(keys)) or [range(0)]:
             self._with_conn(_request(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
+
+    def report_engine(self, hbm_tokens: int) -> int:
+        """This engine's own prefix cache holds ``hbm_tokens``; the daemon sums
+        the engines it was told of (a few per tenant) for its placement."""
+        if isinstance(hbm_tokens, bool) or not isinstance(hbm_tokens, int) or hbm_tokens < 0:
+            raise ConfigError(f"hbm_tokens must be a token count, got {hbm_tokens!r}"[:200])
+        return self._with_conn(_request(Op.ENGINE, {"engine": self._engine_id,
+                                                     "hbm_tokens": hbm_tokens}))["hbm_tokens"]
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int:
         """Drop a namespace. Only by identity: the daemon salts namespaces per

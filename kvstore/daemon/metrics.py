@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvstore.outcomes import MissReason
+from kvstore.policies.regime import REGIMES
 from kvstore.stats import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ def _store_families(daemon: Daemon) -> Iterator[Metric]:
     yield _family("tier_counter", "gauge", "A tier's own running totals (NVMe compactions, Redis reconnects, ...).",
                   [({"tier": t, "counter": k}, v) for t, row in tiers.items()
                    for k, v in sorted(row.get("tier", {}).items()) if isinstance(v, (int, float))])
+    yield from _placement_families(snap)
     yield _family("requests_total", "counter", "Requests served, by opcode.",
                   [({"op": op}, n) for op, n in daemon.requests.items()])
     yield _family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
@@ -114,6 +116,32 @@ def _store_families(daemon: Daemon) -> Iterator[Metric]:
     yield _family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
     yield _family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
                   [({}, int(daemon.health()[0]))])
+
+
+# what the regime placement counts (policies/regime.py), as counters
+_PLACEMENT_COUNTERS = (("writebacks", "Blocks the placement kept below HBM (an engine's save, an HBM eviction)."),
+                       ("saves_declined", "Engine saves the placement declined (its regime would never serve them)."),
+                       ("spills", "DRAM evictions spilled to NVMe / Redis."),
+                       ("spill_filtered", "DRAM evictions the NVMe / Redis filter dropped."),
+                       ("promotions", "Lower-tier hits promoted to HBM."))
+
+
+def _placement_families(snap: dict) -> Iterator[Metric]:
+    """The placement's regime, its working-set estimate and decisions, and
+    the engines' own caches as reported (the HBM it reasons about)."""
+    placement = snap.get("placement", {})
+    yield _family("engine_hbm_tokens", "gauge", "Tokens the engines' own prefix caches hold, as they reported.",
+                  [({}, snap.get("engine_hbm_tokens", 0))])
+    if "regime" not in placement:
+        return
+    yield _family("regime", "gauge", "The regime policy's regime: 0 hbm-only, 1 watch, 2 dram, 3 spill.",
+                  [({}, REGIMES.index(placement["regime"]))])
+    yield _family("working_set_tokens", "gauge", "The sustained working set the regime policy measures.",
+                  [({}, placement.get("working_set_tokens", 0))])
+    yield _family("regime_thresholds_tokens", "gauge", "The regime boundaries t1, t2, t3 in tokens.",
+                  [({"boundary": f"t{i + 1}"}, t) for i, t in enumerate(placement.get("thresholds", ()))])
+    for key, help_ in _PLACEMENT_COUNTERS:
+        yield _family(f"placement_{key}_total", "counter", help_, [({}, placement.get(key, 0))])
 
 
 def daemon_registry(daemon: Daemon) -> tuple[CollectorRegistry, Histogram]:

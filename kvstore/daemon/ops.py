@@ -35,12 +35,14 @@ from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
+from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon.server import Daemon
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
+MAX_ENGINES_PER_TENANT = 16   # engines one tenant may report (see _engine)
 _RECONCILE_SLICE = 4096
 _RECONCILE_EVERY_S = 10.0
 
@@ -58,7 +60,7 @@ class Handlers:
             Op.PING: self._ping, Op.LOOKUP: self._lookup, Op.PUT: self._put, Op.GET: self._get,
             Op.PREFETCH: self._prefetch, Op.PIN: self._pin, Op.UNPIN: self._unpin,
             Op.INVALIDATE: self._invalidate, Op.STATS: self._stats, Op.METRICS: self._metrics,
-            Op.SHM_ATTACH: self._attach,
+            Op.SHM_ATTACH: self._attach, Op.ENGINE: self._engine,
         }
 
     async def handle(self, conn: Conn, op: Op, meta: dict, payload: memoryview) -> Reply:
@@ -235,6 +237,26 @@ class Handlers:
         ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
         self.store.pin(keys, ttl)
         return {"ttl_s": ttl}
+
+    async def _engine(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        """An engine of this tenant reports its own prefix cache (the HBM the
+        store's placement reasons about). Bounded: a report is at most
+        MAX_ENGINE_TOKENS, a tenant names at most MAX_ENGINES_PER_TENANT
+        engines (a new one retires its oldest), so no tenant can move the
+        store-wide figure without limit; with fixed thresholds it moves nothing."""
+        tokens, engine = meta.get("hbm_tokens"), meta.get("engine")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_ENGINE_TOKENS:
+            raise KVStoreError(f"hbm_tokens must be a token count in [0, {MAX_ENGINE_TOKENS}]")
+        if not isinstance(engine, str) or not 0 < len(engine) <= 64:
+            raise KVStoreError("engine must be a name of at most 64 characters")
+        names = ten.engines
+        names.pop(engine, None)
+        while len(names) >= MAX_ENGINES_PER_TENANT:
+            oldest = next(iter(names))
+            del names[oldest]
+            self.store.report_engine(0, engine=f"{ten.label}/{oldest}")
+        names[engine] = tokens
+        return {"hbm_tokens": self.store.report_engine(tokens, engine=f"{ten.label}/{engine}")}
 
     async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         keys = await self._keys(ten, meta)

@@ -66,6 +66,7 @@ class Op(enum.IntEnum):
     STATS = 10        # {} -> {"tenant": this tenant's row} (+ the store snapshot for an admin)
     METRICS = 11      # {} -> {"text": Prometheus exposition of this tenant (all, for an admin)}
     SHM_ATTACH = 12   # {"size"} -> {"size"} + the segment's fd (SCM_RIGHTS): bulk bytes through it
+    ENGINE = 13       # {"engine": id, "hbm_tokens"} -> {"hbm_tokens": the total the store counts}
 
 
 # the only error classes a reply may name; anything else becomes KVStoreError

@@ -66,6 +66,7 @@ class Tenant:
     shm_bytes: int = 0                 # shared-memory segments its connections hold
     connections: int = 0
     pins: dict[BlockKey, float] = field(default_factory=dict)   # server key -> expiry (clock)
+    engines: dict[str, int] = field(default_factory=dict)       # engine -> its prefix cache (tokens), oldest first
     hits: int = 0
     misses: Counter = field(default_factory=Counter)          # MissReason value -> count
     lookup_blocks: int = 0

@@ -78,6 +78,24 @@ class PlacementPolicy(Protocol):
 
 
 @runtime_checkable
+class PrefetchesOnLookup(Protocol):
+    """A placement that promotes a request's prefix ahead of its load: a
+    lookup finding blocks in tier ``hit_tier`` copies them to the tier this
+    returns (None: not worth it), before the engine asks for the bytes."""
+
+    def prefetch_to(self, hit_tier: int) -> int | None: ...
+
+
+@runtime_checkable
+class KnowsCapacity(Protocol):
+    """A placement that wants to know a tier's capacity in tokens, among
+    them ``hbm``: the engine's own prefix cache, reported by its connector
+    (:meth:`~.regime.RegimePlacement.set_capacity`)."""
+
+    def set_capacity(self, tier: str, tokens: int) -> None: ...
+
+
+@runtime_checkable
 class ModelsReuse(Protocol):
     """A placement that orders the tiers below the first itself, over its own
     reuse model (:meth:`~.regime.RegimePlacement.make_order`)."""

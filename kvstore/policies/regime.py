@@ -67,6 +67,9 @@ class Regime(enum.IntEnum):
     SPILL = 3
 
 
+REGIMES = [r.name for r in Regime]      # by number: what /metrics' kvstore_regime gauge means
+
+
 class FrequencyFilter:
     """Counting Bloom filter with periodic halving (TinyLFU's sketch): an
     estimate, never below the true count since the last halving, of how often
@@ -380,6 +383,17 @@ class RegimePlacement:
         return Regime(r)
 
     # -- decisions -----------------------------------------------------
+    def prefetch_to(self, hit_tier: int) -> int | None:
+        """A lookup found blocks in ``hit_tier``: promote them to DRAM ahead of
+        the load where this regime keeps blocks in DRAM (DRAM, SPILL) and the
+        hit is below it (NVMe, Redis: a load from there is the slow one).
+        Only for a store under an engine (no HBM tier here): the engine then
+        loads from DRAM. With an HBM tier of its own the hit is promoted to
+        HBM as it is read (``on_hit``); a DRAM copy first would only cost room."""
+        if self._hbm is not None or self.regime < Regime.DRAM or self._dram is None or hit_tier <= self._dram:
+            return None
+        return self._dram
+
     def set_capacity(self, tier: str, tokens: int) -> None:
         """A tier's capacity in tokens (``hbm``: the engine's cache, as its
         connector reports it); ``auto`` thresholds follow it."""

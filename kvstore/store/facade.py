@@ -52,6 +52,10 @@ class Store(Protocol):
 
     def unpin(self, keys: Sequence[BlockKey]) -> None: ...
 
+    def report_engine(self, hbm_tokens: int) -> int:
+        """The engine's own prefix cache holds ``hbm_tokens`` (the HBM above
+        this store's tiers); returns the total the store now counts."""
+
     def invalidate(self, identity: CacheIdentity | bytes) -> int: ...
 
     def stats(self) -> dict[str, Any]: ...

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
 from kvstore.errors import KVStoreError
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy, PrefetchesOnLookup
 
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
 
@@ -226,13 +226,37 @@ class Planner(Generic[K]):
         return "planned" if self._place(key, first, last, nbytes=nbytes, cause=Cause.PUT) is not None \
             else "no_room"
 
-    def prefetch(self, keys: Sequence[K], to: int) -> list[Move[K]]:
-        """Copy each key held below tier ``to`` up into it (or as far up as room allows)."""
+    def promotions_ahead(self, keys: Sequence[K], tiers: Sequence[int | None]) -> dict[int, list[K]]:
+        """A request's stored prefix (``tiers``: where each block was found):
+        which blocks to promote before their load, by target tier, as the
+        placement says (:class:`~kvstore.policies.base.PrefetchesOnLookup`;
+        none for a placement that is not one). The store issues them as
+        prefetches; the replay applies them at once."""
+        placement = self.placement
+        out: dict[int, list[K]] = {}
+        if not isinstance(placement, PrefetchesOnLookup):
+            return out
+        for key, t in zip(keys, tiers):
+            if t is None:
+                continue
+            to = placement.prefetch_to(t)
+            if to is not None and to < t:
+                out.setdefault(to, []).append(key)
+        return out
+
+    def prefetch(self, keys: Sequence[K], to: int, keep: Container[K] = frozenset()) -> list[Move[K]]:
+        """Copy each key held below tier ``to`` up into it (or as far up as
+        room allows), never evicting a key in ``keep`` (a promotion ahead of
+        a load keeps the rest of that request's prefix where it is)."""
         self._moves = []
-        for key in keys:
-            src = self.locate(key)
-            if src is not None and src > to:
-                self._place(key, to, src - 1, src=src, cause=Cause.PREFETCH)
+        self._guard = _Either(self.protected, keep)
+        try:
+            for key in keys:
+                src = self.locate(key)
+                if src is not None and src > to:
+                    self._place(key, to, src - 1, src=src, cause=Cause.PREFETCH)
+        finally:
+            self._guard = self.protected
         return self._take()
 
     def flush(self) -> list[Move[K]]:

@@ -96,6 +96,9 @@ class KVStore:
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         return self._run(lambda: self.store.pin(keys, ttl_s))
 
+    def report_engine(self, hbm_tokens: int) -> int:
+        return self._run(lambda: self.store.report_engine(hbm_tokens))
+
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         self._run(lambda: self.store.unpin(keys))
 

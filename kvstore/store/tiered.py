@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, is_dataclass
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
-from kvstore.errors import InvalidBlock, KVStoreError
+from kvstore.errors import ConfigError, InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
+from kvstore.policies.base import EvictionPolicy, KnowsCapacity, PlacementPolicy, PrefetchesOnLookup, check_followup
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
@@ -43,6 +43,7 @@ from kvstore.store.planner import Planner, TierPlan, extra_copies
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
+MAX_ENGINE_TOKENS = 1 << 32     # one engine's prefix cache: no GPU holds more tokens
 _GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
 _SETTLE_ROUNDS, _SETTLE_S = 4, 1.0   # an invalidation waits this long for plans in flight
 
@@ -102,6 +103,9 @@ class TieredStore:
         self.removals = 0                      # blocks the store saw leave it (evicted, invalidated)
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
+        self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
+        # blocks promoted ahead of a load -> (the tier, the prefetch doing it)
+        self._promoted: OrderedDict[BlockKey, tuple[int, asyncio.Task]] = OrderedDict()
         self._landed = 0                       # blocks written into tiers, ever (see alookup)
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
@@ -161,7 +165,58 @@ class TieredStore:
             self.stats.probes += 1
         else:
             self._count_request(keys, prefix, reasons, followup)
+            self._promote_ahead(keys[:prefix], where[:prefix])
         return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
+
+    def _promote_ahead(self, keys: list[BlockKey], where: list[int | None]) -> None:
+        """A request's stored prefix, where the placement says a promotion
+        pays (the regime policy: NVMe / Redis hits to DRAM in its DRAM and
+        SPILL regimes), is copied up before the engine loads it. Bounded and
+        cancellable like any prefetch (aprefetch); counted as issued, and
+        later as useful (read from where it went) or wasted."""
+        if not isinstance(self.planner.placement, PrefetchesOnLookup):
+            return
+        self._settle_promoted()
+        for to, ahead in self.planner.promotions_ahead(keys, where).items():
+            todo = [k for k in ahead if k not in self._promoted]
+            if not todo:
+                continue
+            if self._prefetch_queued + len(todo) > self._prefetch_budget:
+                continue                       # the prefetch queue is full: not issued
+            self.stats.prefetch_issued += len(todo)
+            task = self.aprefetch(todo, to, keep=frozenset(keys))
+            for key in todo:
+                self._promoted[key] = (to, task)
+
+    async def apromotions_landed(self) -> None:
+        """Wait for the promotions lookups issued (a replay's load then sees
+        them landed, as an engine's would after its scheduling gap)."""
+        pending = {task for _, task in self._promoted.values() if not task.done()}
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _settle_promoted(self, limit: int = 64) -> None:
+        """Count as wasted the oldest promoted blocks that left their tier
+        unread (a few per call: bounded work), and forget the oldest past
+        the memory's size."""
+        for _ in range(limit):
+            if not self._promoted:
+                return
+            key, (to, task) = next(iter(self._promoted.items()))
+            gone = task.done() and not self.planner.holds(key, to) and not self.executor.moving(key)
+            if not gone and len(self._promoted) <= _GONE_MEMORY:
+                return
+            del self._promoted[key]
+            self.stats.prefetch_wasted += 1
+
+    def _promoted_read(self, key: BlockKey, tier: int) -> None:
+        entry = self._promoted.pop(key, None)
+        if entry is None:
+            return
+        if tier <= entry[0]:
+            self.stats.prefetch_useful += 1
+        else:
+            self.stats.prefetch_wasted += 1   # read from below: the promotion had not landed, or went
 
     def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None],
                        followup: float | None) -> None:
@@ -326,6 +381,8 @@ class TieredStore:
                 self._observe(tier.name, "get", time.perf_counter() - t0)
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
             hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
+            for i, t in hits:
+                self._promoted_read(keys[i], t)
             adopt = strangers if self._epoch == start else set()
             moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
                                       adopt=adopt)
@@ -368,11 +425,13 @@ class TieredStore:
         return [d if r is None else None for d, r in zip(dsts, res)]
 
     # -- prefetch, pins, invalidation --------------------------------------------
-    def aprefetch(self, keys: Sequence[BlockKey], to: str | int = 0) -> asyncio.Task:
+    def aprefetch(self, keys: Sequence[BlockKey], to: str | int = 0, *,
+                  keep: Container[BlockKey] = frozenset()) -> asyncio.Task:
         """Start promoting ``keys`` into tier ``to``; returns a cancellable Task
         whose result is the number of blocks moved. Bounded: at most
         ``max_prefetch`` run at once and at most ``max_prefetch_blocks`` wait;
-        past that the request is dropped (the Task returns 0)."""
+        past that the request is dropped (the Task returns 0). ``keep``: keys
+        the promotion must not evict (the rest of a request's prefix)."""
         if isinstance(to, str):
             if to not in self.names:
                 raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
@@ -382,12 +441,12 @@ class TieredStore:
         if not 0 <= ti < len(self.tiers):
             raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
         keys = [check_key(k) for k in keys]
-        task = asyncio.get_running_loop().create_task(self._prefetch(keys, ti))
+        task = asyncio.get_running_loop().create_task(self._prefetch(keys, ti, keep))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _prefetch(self, keys: list[BlockKey], ti: int) -> int:
+    async def _prefetch(self, keys: list[BlockKey], ti: int, keep: Container[BlockKey] = frozenset()) -> int:
         if self._prefetch_queued + len(keys) > self._prefetch_budget:
             return 0
         self._prefetch_queued += len(keys)
@@ -395,7 +454,7 @@ class TieredStore:
             async with self._prefetch_slots:
                 self.stats.prefetches += 1
                 await self._adopt_unknown(keys, ti)
-                done = await self._apply(self.planner.prefetch(keys, ti), {})
+                done = await self._apply(self.planner.prefetch(keys, ti, keep), {})
                 moved = sum(o is PutOutcome.STORED for (_, t), o in done.outcomes.items() if t == ti)
                 self.stats.prefetched_blocks += moved
                 return moved
@@ -414,6 +473,23 @@ class TieredStore:
                 if head is not None:
                     self.planner.adopt(key, t, head.raw_len)
             todo = [k for k, h in zip(todo, heads) if h is None]
+
+    def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
+        """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:
+        num_gpu_blocks x block_size). The placement sees the sum over the
+        engines reported (a daemon serves several; each report replaces that
+        engine's last one) as the HBM above this store's tiers: the regime
+        policy's ``auto`` thresholds follow it. Returns that sum."""
+        if isinstance(hbm_tokens, bool) or not isinstance(hbm_tokens, int) or not 0 <= hbm_tokens <= MAX_ENGINE_TOKENS:
+            raise ConfigError(f"hbm_tokens must be a token count in [0, {MAX_ENGINE_TOKENS}], got {hbm_tokens!r}"[:200])
+        if hbm_tokens:
+            self._engines[str(engine)[:128]] = hbm_tokens
+        else:                        # an engine that is gone (or has no cache) counts for nothing
+            self._engines.pop(str(engine)[:128], None)
+        total = sum(self._engines.values())
+        if isinstance(self.planner.placement, KnowsCapacity):
+            self.planner.placement.set_capacity("hbm", total)
+        return total
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
@@ -494,6 +570,7 @@ class TieredStore:
             if is_dataclass(own) and not isinstance(own, type):
                 snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()
+        snap["engine_hbm_tokens"] = sum(self._engines.values())
         return snap
 
     async def aflush(self) -> int:

@@ -190,6 +190,8 @@ def test_the_store_counts_one_lookup_per_request(runs):
     # saver and loader served two prompts each; the saver's checks for blocks
     # the store already holds are probes, which the placement does not see
     assert runs["store"]["lookups"] == 4
+    # the engines' schedulers told the daemon how big their own prefix caches are
+    assert runs["store"]["engine_hbm_tokens"] > 0 and runs["store"]["engine_hbm_tokens"] % BS == 0
     assert runs["store"]["probes"] >= 2
 
 

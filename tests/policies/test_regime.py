@@ -264,3 +264,16 @@ def test_bad_follow_up_hint_is_a_typed_error_and_changes_nothing(bad):
         p.on_request([1, 2, 3], 1.0, bad)
     assert p.stats() == before
     p.on_request([1, 2, 3], 1.0, True)       # bools and numbers in [0, 1] are fine
+
+
+def test_promotion_ahead_of_a_load_only_under_an_engine_and_in_the_dram_regimes():
+    cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0)
+    engine_side = RegimePlacement(["dram", "nvme", "redis"], cfg, clock=lambda: 0.0)
+    assert engine_side.prefetch_to(1) is None                  # HBM_ONLY: nothing kept in DRAM
+    engine_side.on_request([f"k{i}" for i in range(25)], 0.0)   # 25 > t2: DRAM
+    assert engine_side.regime == Regime.DRAM
+    assert engine_side.prefetch_to(1) == 0 and engine_side.prefetch_to(2) == 0
+    assert engine_side.prefetch_to(0) is None                  # a DRAM hit is where it should be
+    own_hbm = RegimePlacement(TIERS, cfg, clock=lambda: 0.0)
+    own_hbm.on_request([f"k{i}" for i in range(40)], 0.0)
+    assert own_hbm.regime == Regime.SPILL and own_hbm.prefetch_to(2) is None   # on_hit promotes to HBM
