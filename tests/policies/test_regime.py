@@ -277,3 +277,20 @@ def test_promotion_ahead_of_a_load_only_under_an_engine_and_in_the_dram_regimes(
     own_hbm = RegimePlacement(TIERS, cfg, clock=lambda: 0.0)
     own_hbm.on_request([f"k{i}" for i in range(40)], 0.0)
     assert own_hbm.regime == Regime.SPILL and own_hbm.prefetch_to(2) is None   # on_hit promotes to HBM
+
+
+def test_watch_writes_back_without_reuse_evidence_while_dram_has_room():
+    """A write-back that displaces nothing costs only its bandwidth: WATCH
+    asks for reuse evidence only once DRAM is full."""
+    cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0)
+    p = RegimePlacement(TIERS[:2], cfg, capacities={"hbm": 10, "dram": 2}, clock=lambda: 0.0)
+    dram = p.make_order("dram")
+    p.on_request([f"w{i}" for i in range(15)], 0.0)
+    assert p.regime == Regime.WATCH
+    assert p.on_evict("fresh1", 0) == 1                 # seen never, but DRAM is empty
+    dram.insert("fresh1")
+    dram.insert("fresh2")                               # DRAM full now (2 keys)
+    assert p.on_evict("fresh3", 0) is None              # no evidence and no room: dropped
+    p.on_request(["fresh3"], 0.0)
+    p.on_request(["fresh3"], 0.0)
+    assert p.on_evict("fresh3", 0) == 1                 # seen twice: kept even when full
