@@ -44,18 +44,17 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from kvstore.bench import VLLM_VENV_PYTHON
 from kvstore.bench import tiers as tb
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 
 PEERS = ("lmcache",)
 PEER_TIERS = {"dram": "lmcache-cpu", "nvme": "lmcache-disk"}   # our tier -> the peer's
 TICK = "@@kvstore-peer-tick"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALL_HINT = ("install lmcache into the vLLM venv: .venv-vllm/bin/pip install --no-deps lmcache==0.5.6 "
                 "&& .venv-vllm/bin/pip install sortedcontainers aiofiles aiofile nvtx redis "
                 "(or pass --peer-python PATH to an interpreter that can import lmcache and kvstore)")
@@ -93,7 +92,7 @@ def find_peer_python(explicit: str | None = None) -> str:
         return explicit
     if importlib.util.find_spec("lmcache") is not None:
         return sys.executable
-    venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    venv = VLLM_VENV_PYTHON
     if venv.exists() and _has_lmcache(str(venv)):
         return str(venv)
     raise MissingDependency("--peer lmcache (no interpreter here can import lmcache)", INSTALL_HINT)

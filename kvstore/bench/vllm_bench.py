@@ -36,13 +36,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvstore.bench import VLLM_VENV_PYTHON
 from kvstore.bench.llama_model import FIRST_WORD_ID, MEDIUM
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 
 CASES = ("cold", "warm_same", "warm_fresh", "warm_restart")
 WARM = CASES[1:]
 DAEMON_TOKEN = "kvstore-bench-vllm"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class BenchFailure(KVStoreError):
@@ -84,7 +84,7 @@ class VllmBenchConfig:
 
 def find_vllm_python(explicit: str | None) -> str:
     """An interpreter that imports vllm: ``explicit``, this one, or the repo's .venv-vllm."""
-    cands = [explicit] if explicit else [sys.executable, str(REPO_ROOT / ".venv-vllm" / "bin" / "python")]
+    cands = [explicit] if explicit else [sys.executable, str(VLLM_VENV_PYTHON)]
     for py in cands:
         if py and Path(py).exists() and _imports(py, "vllm"):
             return py
