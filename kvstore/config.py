@@ -66,13 +66,13 @@ class PolicyConfig(Section):
     promote on hit), ``regime`` (by the sustained working set, see the
     README) or ``write-through`` (every put also to the first persistent
     tier). ``thresholds``: the regime boundaries in tokens, or ``auto``
-    (derived from the tier capacities); ``hysteresis``: the share a working
+    (the default: derived from the tier capacities, see README); ``hysteresis``: the share a working
     set must cross a boundary by before the regime changes; ``window_s``:
     the working-set window."""
 
     tree_path = "policy"
     name: Literal["default", "regime", "write-through"] = "default"
-    thresholds: Literal["auto"] | tuple[int, int, int] = (100_000, 250_000, 500_000)
+    thresholds: Literal["auto"] | tuple[int, int, int] = "auto"
     hysteresis: Fraction = 0.1
     window_s: Seconds = 60.0
     max_prefetch: Count = 4         # concurrent prefetches

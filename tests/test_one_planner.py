@@ -57,7 +57,9 @@ def _keyed(requests, cfg):
 def test_store_on_real_tiers_and_replay_make_the_same_decisions(sequence, tmp_path, redis_url,
                                                                  redis_session_server):
     requests, cfg = _sequences()[sequence]
-    cost = make_cost_model()
+    # a model whose KV loads from Redis beat recomputing it (70B: more FLOPs per
+    # byte than 8B), so the regime policy writes to every tier of the cascade
+    cost = make_cost_model("llama3-70b")
     keyed = _keyed(requests, cfg)
     for policy in POLICIES:
         fac = make_data_plane_factory(cfg, nvme_path=str(tmp_path), redis_url=redis_url, hbm="dram")

@@ -500,3 +500,22 @@ def test_no_promotion_ahead_of_a_load_in_the_low_regimes_or_under_lru(tmp_path):
         assert store.stats.prefetch_issued == 0 and not store._tasks
         await store.aclose()
     asyncio.run(main())
+
+
+def test_auto_thresholds_learn_the_tiers_in_tokens_from_the_first_put(tmp_path):
+    """A regime store with ``auto`` thresholds knows its tiers in bytes; the
+    first put shows a block's size, and the placement then counts each tier
+    in tokens: t3 = engine HBM + DRAM, so the regime follows the real room."""
+    from kvstore.policies.regime import RegimeConfig, RegimePlacement
+    bb = ID.layout.block_bytes
+
+    async def main():
+        dram = DramTier(DramConfig(capacity_bytes=8 * bb, page_bytes=8 * bb, pinned="no"))
+        placement = RegimePlacement(["dram"], RegimeConfig(mode="auto", tokens_per_key=16))
+        store = TieredStore([dram], placement=placement)
+        store.report_engine(64)                              # the engine's cache: 64 tokens
+        await store.aput(ID, KEYS[:1], [block(0)])
+        assert placement.thresholds == (64, 64 + 4 * 16, 64 + 8 * 16)
+        assert placement.stats()["thresholds"][2] == 64 + 8 * 16
+        await store.aclose()
+    asyncio.run(main())

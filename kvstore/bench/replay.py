@@ -61,8 +61,7 @@ class ReplayConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     hints: str = "trace"              # regime's follow-up hints: the trace's "followup" fields, or none
     regime_eviction: str = "model"     # "model": the regime policy's own reuse-model order; or lru / s3fifo
-    regime_mode: str = "fixed"
-    thresholds: tuple[int, int, int] = (100_000, 250_000, 500_000)
+    thresholds: tuple[int, int, int] | None = None   # regime's, in tokens; None: auto, from the tiers
     window_s: float = 60.0
     nvme_min_count: int = 2           # regime's frequency filter on NVMe / Redis writes
     store_partial: bool = False       # Mooncake-style: the partial last block is not a key
@@ -82,6 +81,10 @@ class ReplayConfig:
         bad = [p for p in self.policies if p not in POLICY_NAMES]
         if bad or not self.policies:
             raise ConfigError(f"unknown policies {bad}; choose from {list(POLICY_NAMES)}")
+
+    @property
+    def regime_mode(self) -> str:
+        return "auto" if self.thresholds is None else "fixed"
 
     def tiers(self) -> list[tuple[str, int]]:
         caps = (self.hbm_tokens, self.dram_tokens, self.nvme_tokens, self.redis_tokens)
@@ -122,7 +125,8 @@ def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup
         placement = Cascade(names)
         lower = lambda: make_eviction("s3fifo")   # noqa: E731
     elif policy in ("regime", "regime-oracle"):
-        rc = RegimeConfig(thresholds=cfg.thresholds, mode=cfg.regime_mode, window_s=cfg.window_s,
+        rc = RegimeConfig(thresholds=cfg.thresholds or RegimeConfig().thresholds, mode=cfg.regime_mode,
+                          window_s=cfg.window_s,
                           tokens_per_key=cfg.block_tokens, nvme_min_count=cfg.nvme_min_count)
         placement = RegimePlacement(
             names, rc, capacities={n: b * cfg.block_tokens for n, b in tiers},
@@ -410,7 +414,8 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
     result: dict[str, Any] = {"policies": policies, "cost_model": cost.describe(),
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
-                         "regime_mode": cfg.regime_mode, "thresholds": list(cfg.thresholds),
+                         "regime_mode": cfg.regime_mode,
+                         "thresholds": list(cfg.thresholds) if cfg.thresholds else "auto",
                          "hints": cfg.hints, "oracle_noise": cfg.oracle_noise,
                          "window_s": cfg.window_s, "requests": len(requests)},
               "command": command}

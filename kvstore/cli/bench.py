@@ -8,7 +8,7 @@ import sys
 import click
 
 from kvstore import settings
-from kvstore.cli.common import SIZE, console
+from kvstore.cli.common import SIZE, THRESHOLDS, console
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
 
@@ -94,7 +94,9 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--dram-tokens", default="500K", type=SIZE, show_default=True)
 @click.option("--nvme-tokens", default="1.4M", type=SIZE, show_default=True)
 @click.option("--redis-tokens", default="0", type=SIZE, show_default=True)
-@click.option("--regime-mode", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True)
+@click.option("--thresholds", default="auto", type=THRESHOLDS, show_default=True,
+              help="regime's boundaries: auto (t1 = HBM, t3 = HBM + DRAM, t2 midway) or T1,T2,T3 tokens, "
+                   "e.g. 100K,250K,500K.")
 @click.option("--hints", type=click.Choice(["trace", "none"]), default="trace", show_default=True,
               help="regime's follow-up hints: the trace's 'followup' fields (the agent generator "
                    "writes them), or none.")
@@ -112,7 +114,7 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
 @workload_options
 def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, regime_mode, hints, oracle_noise, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
+           redis_tokens, thresholds, hints, oracle_noise, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
            plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
            gpu_tflops) -> None:
     """Replay a trace or the agent generator under several policies, side by side."""
@@ -127,7 +129,7 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
         with console.status("reading requests"):
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
-                           redis_tokens=redis_tokens, block_tokens=bt, regime_mode=regime_mode,
+                           redis_tokens=redis_tokens, block_tokens=bt, thresholds=thresholds,
                            hints=hints, oracle_noise=oracle_noise, seed=seed,
                            policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
         if redis_url and not data_plane:
@@ -163,6 +165,47 @@ def sweep(json_path, seed, working_set, duration, tenants, families, fork_prob, 
         console.print(f"goals: {res['goals']}")
     except KVStoreError as exc:
         _fail(exc)
+
+
+@bench.command("scorecard")
+@click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="The Mooncake conversation trace [default: ../shared/traces/mooncake_conversation.jsonl "
+                   "when it exists; without a trace only the agent cases run].")
+@click.option("--thresholds", default="auto", type=THRESHOLDS, show_default=True,
+              help="regime's boundaries: auto (from each case's tiers) or T1,T2,T3 tokens.")
+@click.option("--limit", default=None, type=click.IntRange(1),
+              help="Only the first N requests of the trace (a quick look; the goals are for the whole).")
+@click.option("--duration", default=300.0, show_default=True, type=click.FloatRange(1.0),
+              help="Seconds of the agent generator per band.")
+@click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset.")
+@click.option("--gpu-tflops", default=None, type=float, help="Effective GPU TFLOP/s (cost model).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help='Write {"cases": [{"name", "policies": {NAME: {"hit_rate", "ttft_mean_s", '
+                   '"ttft_p99_s"}}, "goals"}]} here.')
+def scorecard(trace, thresholds, limit, duration, model, gpu_tflops, json_path) -> None:
+    """The fixed matrix to check before trusting the regime policy: the Mooncake trace at
+    four capacity points, 4x compressed and 1-in-4 sub-sampled, the agent generator in each
+    band; hbm-only, always-offload, lru, s3fifo, regime, belady. Exit 1 when a goal is missed."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from kvstore.bench.scorecard import DEFAULT_TRACE, default_cases, render_table, run_scorecard  # noqa: PLC0415
+
+    try:
+        if trace is None and Path(DEFAULT_TRACE).is_file():
+            trace = DEFAULT_TRACE
+        from kvstore.bench.workload import AgentWorkloadConfig  # noqa: PLC0415
+        cases = default_cases(trace, agent=AgentWorkloadConfig(duration_s=duration), limit=limit,
+                              regime={"thresholds": thresholds})
+        with console.status("scoring") as status:
+            res = run_scorecard(cases, cost=_cost(model, gpu_tflops), json_out=json_path,
+                                command=_command(), progress=status.update)
+        console.print(render_table(res))
+        if trace is None:
+            console.print("no trace: the Mooncake cases did not run (--trace FILE)", style="yellow")
+    except KVStoreError as exc:
+        _fail(exc)
+    if not res["goals_met"]:
+        sys.exit(1)
 
 
 @bench.command("vllm")

@@ -90,7 +90,12 @@ class PrefetchesOnLookup(Protocol):
 class KnowsCapacity(Protocol):
     """A placement that wants to know a tier's capacity in tokens, among
     them ``hbm``: the engine's own prefix cache, reported by its connector
-    (:meth:`~.regime.RegimePlacement.set_capacity`)."""
+    (:meth:`~.regime.RegimePlacement.set_capacity`). ``tokens_per_key``:
+    the tokens it counts per block key, so a store can turn its tiers'
+    bytes into tokens once it knows a block's size."""
+
+    @property
+    def tokens_per_key(self) -> int: ...
 
     def set_capacity(self, tier: str, tokens: int) -> None: ...
 

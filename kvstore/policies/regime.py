@@ -31,9 +31,10 @@ the Mooncake conversation trace that signal is what separates online
 policies from Belady (README, "Measured").
 
 Thresholds are settable (:class:`RegimeConfig`), or derived from the tiers
-(``mode="auto"``): t1 = HBM capacity, t3 = HBM + DRAM capacity, t2 midway;
-and in ``auto`` a tier whose load is not cheaper than recomputing a block
-(``load_beats_recompute``) is never written to. Hysteresis: a regime is
+(``mode="auto"``): t1 = HBM capacity, t3 = HBM + DRAM capacity, t2 midway.
+In either mode a tier whose load is not cheaper than recomputing a block
+(``load_beats_recompute``, from the cost model or measured bandwidths) is
+never written to: a hit there would cost more time than it saves. Hysteresis: a regime is
 entered above ``t * (1 + h)`` and left below ``t * (1 - h)``, so a working
 set hovering at a threshold does not flap. Changes are logged (logger
 ``kvstore.policies.regime``) and kept in ``stats()["timeline"]``.
@@ -58,6 +59,9 @@ from kvstore.policies.eviction import ClassedLRU, SegmentLRU
 from kvstore.policies.working_set import WorkingSetConfig, WorkingSetEstimator, stable_hash64
 
 log = logging.getLogger(__name__)
+
+
+_NO_PASS = 1 << 30        # a min_count no block reaches: reuse evidence is no pass
 
 
 class Regime(enum.IntEnum):
@@ -139,6 +143,8 @@ class GapModel:
                 tail[i] = acc / self._total
             self._tail = tail
         x = self._bin(age_s)
+        if not x < len(self._counts):     # past the last bin (or never seen: infinite age)
+            return 0.0
         i = int(x)
         if i >= len(self._counts):
             return 0.0
@@ -314,9 +320,10 @@ class RegimePlacement:
     evidence, DRAM and SPILL keep it in DRAM. ``capacities["hbm"]`` is then
     the engine's cache in tokens (``set_capacity`` when the engine reports it).
 
-    ``capacities`` (tokens per tier) are needed only by ``mode="auto"``;
+    ``capacities`` (tokens per tier) are needed by ``mode="auto"`` and the
+    free-room rules (a store passes them with ``set_capacity``);
     ``load_beats_recompute(tier_name) -> bool`` comes from the cost model
-    (or measured bandwidths) and, in auto mode, rules out slow tiers.
+    (or measured bandwidths) and rules out slow tiers.
     Single-threaded; ``clock`` is used when ``on_request`` gets no ``now``.
     """
 
@@ -328,7 +335,7 @@ class RegimePlacement:
         self.config = config
         self._clock = clock
         roles = [config.tier_roles.get(t, "l3") for t in self.tiers]
-        usable = load_beats_recompute if config.mode == "auto" and load_beats_recompute else None
+        usable = load_beats_recompute   # a tier slower than recompute is never written, in any mode
         self._hbm: int | None = roles.index("hbm") if "hbm" in roles else None   # None: the engine's
         self._dram = next((i for i, r in enumerate(roles) if r == "dram"
                            and (usable is None or usable(self.tiers[i]))), None)
@@ -345,8 +352,8 @@ class RegimePlacement:
         self._freq = FrequencyFilter(width=config.filter_width)
         self._model = ReuseModel(power=config.class_weight_power)
         self._orders: dict[int, SegmentLRU | ClassedLRU] = {}
-        self._caps = {i: (capacities or {}).get(t, 0) // config.tokens_per_key
-                      for i, t in enumerate(self.tiers)} if capacities else {}
+        self._caps: dict[int, int] = {i: (capacities or {}).get(t, 0) // config.tokens_per_key
+                                      for i, t in enumerate(self.tiers)} if capacities else {}
         self.regime = config.initial
         self._timeline: list[dict] = []
         self._counts = {"writebacks": 0, "saves_declined": 0, "dropped": 0, "spills": 0,
@@ -394,10 +401,17 @@ class RegimePlacement:
             return None
         return self._dram
 
+    @property
+    def tokens_per_key(self) -> int:
+        return self.config.tokens_per_key
+
     def set_capacity(self, tier: str, tokens: int) -> None:
         """A tier's capacity in tokens (``hbm``: the engine's cache, as its
-        connector reports it); ``auto`` thresholds follow it."""
+        connector reports it; the store's tiers once a put shows a block's
+        size); ``auto`` thresholds and the free-room rules follow it."""
         self._capacities[tier] = max(0, int(tokens))
+        if tier in self.tiers:
+            self._caps[self.tiers.index(tier)] = self._capacities[tier] // self.config.tokens_per_key
         if self.config.mode == "auto":
             self.thresholds = auto_thresholds(self._capacities)
 
@@ -411,8 +425,7 @@ class RegimePlacement:
         if first is None or r == Regime.HBM_ONLY:
             self._counts["saves_declined"] += 1
             return []
-        if r == Regime.WATCH and self._freq.estimate(key) < self.config.reuse_min_count \
-                and not self._has_room(first):
+        if r == Regime.WATCH and not self._admits(key, first, self.config.reuse_min_count):
             self._counts["saves_declined"] += 1
             return []
         if first != self._dram and r != Regime.SPILL:
@@ -426,20 +439,20 @@ class RegimePlacement:
         if from_tier == self._hbm:
             if self._dram is None or r == Regime.HBM_ONLY:
                 return self._drop()
-            if r == Regime.WATCH and self._freq.estimate(key) < self.config.reuse_min_count \
-                    and not self._has_room(self._dram):
+            if r == Regime.WATCH and not self._admits(key, self._dram, self.config.reuse_min_count):
                 return self._drop()
             if self.config.exclusive and any(key in o for i, o in self._orders.items()
                                              if i != self._dram):
                 return self._drop()     # a lower tier still holds it: no second copy
             self._counts["writebacks"] += 1
             return self._dram
-        if r != Regime.SPILL:
-            return self._drop()
         lower = [i for i in self._l3 if i > from_tier]
-        if not lower:
+        if r == Regime.HBM_ONLY or not lower:
             return self._drop()
-        if not self._admit_below(key, lower[0]):
+        # below SPILL a block's count is no pass: the slow tier takes only what
+        # displaces nothing or is worth more than what it displaces
+        evidence = self.config.nvme_min_count if r == Regime.SPILL else _NO_PASS
+        if not self._admits(key, lower[0], evidence):
             self._counts["spill_filtered"] += 1
             return self._drop()
         self._counts["spills"] += 1
@@ -454,19 +467,21 @@ class RegimePlacement:
         order, cap = self._orders.get(tier), self._caps.get(tier)
         return order is not None and cap is not None and len(order) < cap
 
-    def _admit_below(self, key: Hashable, tier: int) -> bool:
-        """The NVMe / Redis write filter (spares SSD wear and slow-tier room).
+    def _admits(self, key: Hashable, tier: int, min_count: int) -> bool:
+        """The write filter where a regime asks for evidence (WATCH's DRAM
+        write-backs, SPILL's NVMe / Redis writes): a write pays when what it
+        saves beats what it costs.
 
-        A block seen ``nvme_min_count`` times passes. Otherwise, when the
+        A block seen ``min_count`` times passes (its reuse is likely). Otherwise, when the
         target tier is ordered by this policy (``make_order``), TinyLFU's
         rule with the reuse model as the frequency: it passes if the tier has
-        room or the block is worth more than the one it would displace. With
+        room (the write displaces nothing) or the block is worth more than the one it would displace. With
         a foreign order there is no victim to compare with and it is dropped.
         Rejected: the count filter alone - on conversation traffic a block's
         first reuse is the one that matters (the next turn), so it dropped
         the blocks worth keeping and lost to plain LRU.
         """
-        if self._freq.estimate(key) >= self.config.nvme_min_count:
+        if self._freq.estimate(key) >= min_count:
             return True
         order = self._orders.get(tier)
         if order is None:
@@ -475,7 +490,7 @@ class RegimePlacement:
         if cap is not None and len(order) < cap:
             return True
         victim = order.peek()
-        return victim is None or self._model.value(key) >= self._model.value(victim)
+        return victim is None or self._model.value(key) > self._model.value(victim)
 
     def make_order(self, tier: str) -> SegmentLRU | ClassedLRU:
         """The eviction order for one of this policy's tiers below HBM (HBM

@@ -104,6 +104,7 @@ class TieredStore:
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
         self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
+        self._block_bytes = 0                  # the last put's block size (_tell_capacities)
         # blocks promoted ahead of a load -> (the tier, the prefetch doing it)
         self._promoted: OrderedDict[BlockKey, tuple[int, asyncio.Task]] = OrderedDict()
         self._landed = 0                       # blocks written into tiers, ever (see alookup)
@@ -252,6 +253,8 @@ class TieredStore:
         """
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
+        if spec.nbytes != self._block_bytes:
+            self._tell_capacities(spec.nbytes)
         plan = self.planner.put(keys, spec.nbytes)
         waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
                  if st == "exists" and k in self._inflight}
@@ -473,6 +476,22 @@ class TieredStore:
                 if head is not None:
                     self.planner.adopt(key, t, head.raw_len)
             todo = [k for k, h in zip(todo, heads) if h is None]
+
+    def _tell_capacities(self, block_bytes: int) -> None:
+        """A placement that sizes itself by tokens (the regime policy's
+        ``auto`` thresholds, its free-room rules) learns each tier's capacity
+        once a put shows how many bytes a block takes: capacity / block bytes
+        x the tokens it counts per key."""
+        self._block_bytes = block_bytes
+        placement = self.planner.placement
+        if not isinstance(placement, KnowsCapacity) or block_bytes <= 0:
+            return
+        for plan in self.planner.tiers:
+            need = plan.footprint(block_bytes)
+            if plan.capacity is None:
+                continue                       # unbounded here: no room to count
+            blocks = plan.capacity // need if need else 0
+            placement.set_capacity(plan.name, blocks * placement.tokens_per_key)
 
     def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:

@@ -55,12 +55,13 @@ def test_decisions_per_regime():
     assert p.on_evict("hot", 0) == 1
     p.regime = Regime.DRAM
     assert p.on_evict("cold", 0) == 1 and p.on_evict("cold", 1) is None
+    assert p.on_evict("hot", 1) is None             # below SPILL a count is no pass to NVMe
     assert p.on_hit("x", 1) == 0 and p.on_hit("x", 0) is None
     p.regime = Regime.SPILL
     assert p.on_evict("cold", 1) is None            # frequency filter guards NVMe
     assert p.on_evict("hot", 1) == 2 and p.on_evict("hot", 2) == 3
     s = p.stats()
-    assert s["spill_filtered"] == 1 and s["spills"] == 2 and s["regime"] == "SPILL"
+    assert s["spill_filtered"] == 3 and s["spills"] == 2 and s["regime"] == "SPILL"
 
 
 def test_auto_mode_uses_capacities_and_costs():
@@ -294,3 +295,19 @@ def test_watch_writes_back_without_reuse_evidence_while_dram_has_room():
     p.on_request(["fresh3"], 0.0)
     p.on_request(["fresh3"], 0.0)
     assert p.on_evict("fresh3", 0) == 1                 # seen twice: kept even when full
+
+
+def test_watch_writes_back_a_block_worth_more_than_the_one_it_displaces():
+    """Cost rule: with DRAM full and no count evidence, a write-back pays when
+    the reuse model values the block above DRAM's next victim."""
+    clock = [0.0]
+    cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0, window_s=1000.0)
+    p = RegimePlacement(TIERS[:2], cfg, capacities={"hbm": 10, "dram": 2}, clock=lambda: clock[0])
+    dram = p.make_order("dram")
+    p.on_request(["old1", "old2"] + [f"w{i}" for i in range(13)], 0.0)
+    dram.insert("old1")
+    dram.insert("old2")                                  # DRAM full of blocks last used at t=0
+    p.on_request(["new"], 500.0)                         # seen once, just now
+    assert p.regime == Regime.WATCH
+    assert p.on_evict("new", 0) == 1                     # worth more than a 500 s old victim
+    assert p.on_evict("never-seen", 0) is None           # worth nothing: dropped
