@@ -11,7 +11,7 @@ import heapq
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Container, Iterable, Iterator
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
@@ -93,3 +93,22 @@ class Leases:
     def __contains__(self, key: object) -> bool:
         """True when ``key`` is protected (pinned and unexpired, or in flight)."""
         return self._refs.get(key, 0) > 0 or self.is_pinned(key)  # type: ignore[arg-type]
+
+
+class Protected:
+    """What eviction must not pick: pins, in-flight transfers (``leases``)
+    and the blocks live agent tasks hold (``sessions``, a
+    :class:`~kvstore.sessions.ledger.SessionLedger`)."""
+
+    __slots__ = ("leases", "sessions")
+
+    def __init__(self, leases: Leases, sessions: Container) -> None:
+        self.leases, self.sessions = leases, sessions
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.leases or key in self.sessions
+
+    def any_pinned(self, keys: Iterable[BlockKey]) -> bool:
+        """For tiers that evict by themselves (NVMe keeps such segments)."""
+        keys = list(keys)
+        return self.leases.any_pinned(keys) or any(k in self.sessions for k in keys)

@@ -18,6 +18,7 @@ import numpy as np
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey
 from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.sessions.task import TaskSession
 from kvstore.store.tiered import LookupResult, TieredStore
 
 T = TypeVar("T")
@@ -95,6 +96,10 @@ class KVStore:
 
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         return self._run(lambda: self.store.pin(keys, ttl_s))
+
+    def task_session(self, task_id: str, *, tenant: str = "default") -> TaskSession:
+        """:meth:`TieredStore.task_session`, its calls run on the store's loop."""
+        return TaskSession(self.store.sessions, task_id, tenant=tenant, clock=self.store.clock, run=self._run)
 
     def report_engine(self, hbm_tokens: int) -> int:
         return self._run(lambda: self.store.report_engine(hbm_tokens))

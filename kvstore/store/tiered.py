@@ -36,8 +36,10 @@ from kvstore.policies.base import EvictionPolicy, KnowsCapacity, PlacementPolicy
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
+from kvstore.sessions.ledger import SessionLedger
+from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
-from kvstore.store.leases import Leases
+from kvstore.store.leases import Leases, Protected
 from kvstore.store.moves import Applied, Executor, Held
 from kvstore.store.planner import Planner, TierPlan, extra_copies
 from kvstore.tiers.base import Tier, check_batch
@@ -85,14 +87,16 @@ class TieredStore:
         self.durable_tier = durable_tier
         self.clock = clock
         self.leases = Leases(clock)
+        self.sessions = SessionLedger()        # agent tasks: the blocks they hold are kept like pins
+        self.protected = Protected(self.leases, self.sessions)
         self.stats = StoreStats()
         for n in names:
             self.stats.tier(n)
         self.planner = build_planner(self.tiers, placement or Cascade(names), eviction, lower_eviction,
-                                     protected=self.leases, durable=durable_tier)
+                                     protected=self.protected, durable=durable_tier)
         self.executor = Executor(self.tiers, self.planner, self.stats, self._observe)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
-            tier.honour_pins(self.leases.any_pinned)
+            tier.honour_pins(self.protected.any_pinned)
         # latency of every tier call (one batch), for /metrics: a registry of the
         # store's own that whoever exposes metrics (the daemon) includes in theirs
         self.metrics = CollectorRegistry(auto_describe=False)
@@ -492,6 +496,12 @@ class TieredStore:
                 continue                       # unbounded here: no room to count
             blocks = plan.capacity // need if need else 0
             placement.set_capacity(plan.name, blocks * placement.tokens_per_key)
+
+    def task_session(self, task_id: str, *, tenant: str = "default") -> TaskSession:
+        """One agent task's session (see :mod:`kvstore.sessions`): while the
+        task lives, the blocks it appended are never evicted, like pins.
+        Call it on the store's event loop (the sync facade routes it there)."""
+        return TaskSession(self.sessions, task_id, tenant=tenant, clock=self.clock)
 
     def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:

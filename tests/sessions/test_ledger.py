@@ -1,0 +1,236 @@
+"""Task sessions: references by fork / join / rollback / retry, tenancy, the journal."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import CorruptRecord
+from kvstore.sessions import SessionError, SessionJournal, SessionLedger, TaskNotFound
+
+A, B = "teamA", "teamB"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def model_refs(ledger: SessionLedger) -> Counter:
+    """What the counts must be: every key of every step of every live task."""
+    c: Counter = Counter()
+    for t in ledger.live():
+        c.update(t.keys())
+    return c
+
+
+def check_invariants(ledger: SessionLedger) -> None:
+    want = model_refs(ledger)
+    assert all(ledger.refcount(k) == n for k, n in want.items())
+    assert ledger.held_keys() == len(want)                 # nothing held that no task holds
+    for t in ledger.live():
+        assert all(k in ledger for k in t.keys())          # a live task's block is never evictable
+
+
+def test_a_retried_step_stores_no_second_reference():
+    led = SessionLedger()
+    led.begin(A, "t")
+    assert led.append(A, "t", "s1", [key(1), key(2)], idem="call-1")
+    assert not led.append(A, "t", "s1-retry", [key(1), key(2)], idem="call-1")
+    assert led.refcount(key(1)) == 1
+    assert led.end(A, "t") == [key(1), key(2)] and led.held_keys() == 0
+
+
+def test_fork_shares_by_reference_and_ending_the_parent_ends_the_tree():
+    led = SessionLedger()
+    led.begin(A, "p")
+    led.append(A, "p", "s0", [key(1), key(2)])
+    led.fork(A, "p", "c1")
+    led.append(A, "c1", "s0", [key(3)])
+    assert led.refcount(key(1)) == 2 and led.refcount(key(3)) == 1
+    led.fork(A, "c1", "g")                                   # a grandchild
+    led.end(A, "p")
+    assert led.held_keys() == 0 and led.tasks(A) == []
+
+
+def test_join_ends_the_child_and_keeps_the_parent():
+    led = SessionLedger()
+    led.begin(A, "p")
+    led.append(A, "p", "s0", [key(1)])
+    led.fork(A, "p", "c")
+    led.append(A, "c", "s0", [key(9)])
+    led.join(A, "p", "c")
+    assert led.refcount(key(1)) == 1 and key(9) not in led and led.tasks(A) == ["p"]
+    with pytest.raises(TaskNotFound):
+        led.join(A, "p", "c")
+
+
+def test_rollback_releases_the_steps_after_the_checkpoint_and_lets_them_rerun():
+    led = SessionLedger()
+    led.begin(A, "t")
+    led.append(A, "t", "s0", [key(1)])
+    led.checkpoint(A, "t", "before-tool")
+    led.append(A, "t", "s1", [key(2)], idem="tool-1")
+    led.checkpoint(A, "t", "after-tool")
+    assert led.rollback(A, "t", "before-tool") == [key(2)]
+    assert key(2) not in led and key(1) in led
+    with pytest.raises(SessionError):
+        led.rollback(A, "t", "after-tool")                   # made after the rollback point: gone
+    assert led.append(A, "t", "s1", [key(3)], idem="tool-1")  # the re-run applies again
+
+
+def test_a_tenant_cannot_touch_or_see_another_tenants_task():
+    led = SessionLedger()
+    led.begin(A, "secret")
+    led.append(A, "secret", "s0", [key(1)])
+    led.checkpoint(A, "secret", "cp")
+    for call in (lambda: led.append(B, "secret", "s1", [key(2)]), lambda: led.fork(B, "secret", "x"),
+                 lambda: led.rollback(B, "secret", "cp"), lambda: led.resume(B, "secret"),
+                 lambda: led.end(B, "secret"), lambda: led.pause(B, "secret", 0.0, 1.0),
+                 lambda: led.join(B, "secret", "x"), lambda: led.checkpoint(B, "secret", "c")):
+        with pytest.raises(TaskNotFound) as exc:
+            call()
+        assert "teamA" not in str(exc.value)
+    assert led.tasks(B) == [] and led.tasks(A) == ["secret"]
+    led.begin(B, "secret")                                   # B's own task of the same name
+    assert led.task(B, "secret").steps == [] and led.refcount(key(1)) == 1
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, "a\nb", None, 7, b"t"])
+def test_bad_task_ids_are_typed_errors(bad):
+    with pytest.raises(SessionError):
+        SessionLedger().begin(A, bad)
+
+
+def test_pause_takes_seconds_and_a_call_resumes():
+    led = SessionLedger()
+    led.begin(A, "t")
+    for bad in (-1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(SessionError):
+            led.pause(A, "t", 0.0, bad)
+    led.pause(A, "t", 100.0, 5.0)
+    assert led.task(A, "t").resume_at == 105.0 and led.stats()["paused"] == 1
+    led.append(A, "t", "s1", [key(1)])
+    assert led.task(A, "t").state == "running"
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["begin", "append", "retry", "fork", "join", "checkpoint",
+                                          "rollback", "end"]),
+                         st.integers(0, 4), st.integers(0, 4), st.lists(st.integers(0, 12), max_size=4)),
+               max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_references_stay_exact_under_any_sequence(ops):
+    led = SessionLedger()
+    steps = 0
+    for op, a, b, ks in ops:
+        ta, tb = f"t{a}", f"t{b}"
+        try:
+            if op == "begin":
+                led.begin(A, ta)
+            elif op == "append":
+                steps += 1
+                led.append(A, ta, f"s{steps}", [key(k) for k in ks])
+            elif op == "retry":
+                led.append(A, ta, "again", [key(k) for k in ks], idem=f"s{steps}")
+            elif op == "fork":
+                led.fork(A, ta, tb)
+            elif op == "join":
+                led.join(A, ta, tb)
+            elif op == "checkpoint":
+                led.checkpoint(A, ta, f"c{b}")
+            elif op == "rollback":
+                led.rollback(A, ta, f"c{b}")
+            else:
+                led.end(A, ta)
+        except SessionError:
+            pass                                             # refused calls change nothing
+        check_invariants(led)
+    for t in [t for t in led.live() if t.parent is None]:
+        led.end(A, t.task_id)
+    assert led.held_keys() == 0 and led.tasks(A) == []       # an ended tree holds nothing
+
+
+def _state(led: SessionLedger) -> dict:
+    return {(t.tenant, t.task_id): ([(s.step, s.idem, s.keys) for s in t.steps], dict(t.checkpoints),
+                                    t.parent, sorted(t.children), t.state) for t in led.live()}
+
+
+def test_the_journal_replays_to_the_same_ledger(tmp_path):
+    path = tmp_path / "sessions.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "p")
+    j.call("append", A, "p", step="s0", keys=[key(1), key(2)])
+    j.call("checkpoint", A, "p", name="cp")
+    j.call("append", A, "p", step="s1", keys=[key(3)], idem="tool-1")
+    j.call("fork", A, "p", child="c")
+    j.call("append", A, "c", step="s0", keys=[key(4)])
+    j.call("begin", B, "p")
+    j.call("append", B, "p", step="s0", keys=[key(5)])
+    j.call("pause", B, "p", now=10.0, tool_s=2.5)
+    j.call("begin", A, "gone")
+    j.call("end", A, "gone")
+    with pytest.raises(SessionError):
+        j.call("rollback", A, "p", name="nope")              # refused: not journalled
+    before = _state(j.ledger)
+    j.close()
+    again = SessionJournal(path)
+    assert _state(again.ledger) == before
+    check_invariants(again.ledger)
+    again.call("end", A, "p")                                 # the tree survived the restart
+    assert again.ledger.tasks(A) == [] and key(5) in again.ledger
+    again.close()
+
+
+def test_a_torn_last_record_is_dropped_and_a_damaged_one_is_an_error(tmp_path):
+    path = tmp_path / "sessions.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")
+    j.call("append", A, "t", step="s0", keys=[key(1)])
+    j.close()
+    with open(path, "ab") as f:
+        f.write(b'0badc0de {"op":"append","tenant":"teamA","ta')   # a crash mid-write
+    j = SessionJournal(path)
+    assert j.dropped_tail == 1 and j.ledger.refcount(key(1)) == 1
+    j.close()
+    lines = path.read_bytes().split(b"\n")
+    lines[0] = lines[0].replace(b"teamA", b"teamB")                 # tampered: CRC no longer matches
+    path.write_bytes(b"\n".join(lines) + b"\n" + lines[1] + b"\n")
+    with pytest.raises(CorruptRecord):
+        SessionJournal(path)
+
+
+WRITER = """
+import sys
+from kvstore.sessions import SessionJournal
+j = SessionJournal(sys.argv[1])
+j.call("begin", "teamA", "t")
+for i in range(100000):
+    j.call("append", "teamA", "t", step=f"s{i}", keys=[i.to_bytes(16, "big")])
+    print(i, flush=True)
+"""
+
+
+def test_every_acknowledged_call_survives_sigkill(tmp_path):
+    path = tmp_path / "sessions.journal"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    acked = -1
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        acked = int(line)
+        if acked >= 200:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    j = SessionJournal(path)
+    steps = [s.step for s in j.ledger.task(A, "t").steps]
+    assert len(steps) >= acked + 1 and steps[:acked + 1] == [f"s{i}" for i in range(acked + 1)]
+    j.close()

@@ -1,0 +1,72 @@
+"""A store's task sessions: what a live task holds is never evicted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import PutOutcome
+from kvstore.sessions import TaskNotFound
+from kvstore.store.sync import KVStore
+from kvstore.store.tiered import TieredStore
+from kvstore.tiers.dram import DramConfig, DramTier
+
+ID = CacheIdentity("test/model", KVLayout(2, 2, 32, 16, dtype="float16"))
+BB = ID.layout.block_bytes
+
+
+def blocks(n, seed=0):
+    return [np.random.default_rng(seed + i).integers(0, 256, BB, dtype=np.uint8) for i in range(n)]
+
+
+@pytest.fixture
+def store():
+    s = KVStore(lambda: TieredStore([DramTier(DramConfig(capacity_bytes=8 * BB, page_bytes=BB, pinned="no"))]))
+    yield s
+    s.close()
+
+
+def test_a_live_tasks_blocks_survive_pressure_and_go_cold_when_it_ends(store):
+    task = block_keys(ID, range(16 * 4))                       # 4 blocks of an agent's context
+    assert store.put(ID, task, blocks(4)) == [PutOutcome.STORED] * 4
+    s = store.task_session("agent-1").begin()
+    s.append("call-1", task)
+    for r in range(6):                                        # 6 x 4 other blocks through 8 slots
+        other = block_keys(ID, range(1000 * (r + 1), 1000 * (r + 1) + 64))
+        store.put(ID, other, blocks(4, seed=100 + 4 * r))
+    assert store.lookup(task).prefix_blocks == 4               # held: nothing of it evicted
+    out = [np.empty(BB, np.uint8) for _ in range(4)]
+    assert store.get_into(ID, task, out) == [None] * 4 and all((a == b).all() for a, b in zip(out, blocks(4)))
+    assert s.end() == 4                                        # nothing holds them now
+    for r in range(3):
+        store.put(ID, block_keys(ID, range(50_000 * (r + 1), 50_000 * (r + 1) + 64)), blocks(4, seed=900 + 4 * r))
+    assert store.lookup(task).prefix_blocks == 0               # and they were evicted like any block
+
+
+def test_a_forked_child_keeps_the_shared_prefix_after_the_parent_rolls_back(store):
+    shared, step = block_keys(ID, range(16 * 2)), block_keys(ID, range(16 * 4))[2:]
+    store.put(ID, shared + step, blocks(4))
+    parent = store.task_session("p").begin()
+    parent.append("s0", shared)
+    parent.checkpoint("cp")
+    parent.append("s1", step)
+    child = parent.fork("c")
+    assert parent.rollback("cp") == 0                          # the child still holds s1's blocks
+    assert all(k in store.store.protected for k in shared + step)
+    parent.end()                                               # ends the child too
+    assert not any(k in store.store.protected for k in shared + step)
+    with pytest.raises(TaskNotFound):
+        child.append("s2", step)
+
+
+def test_one_tenants_session_cannot_reach_anothers_task(store):
+    keys = block_keys(ID, range(16))
+    store.put(ID, keys, blocks(1))
+    store.task_session("t", tenant="a").begin().append("s", keys)
+    intruder = store.task_session("t", tenant="b")
+    for call in (lambda: intruder.append("s2", keys), intruder.end, lambda: intruder.rollback("x"),
+                 lambda: intruder.fork("y")):
+        with pytest.raises(TaskNotFound):
+            call()
+    assert store.store.sessions.refcount(keys[0]) == 1
