@@ -246,7 +246,7 @@ class UnavailableStore:
         raise TierUnavailable(f"store unavailable: {self.why}")
 
     lookup = put = put_async = get_into = get_views = get = prefetch = _fail
-    pin = unpin = invalidate = report_engine = _fail
+    pin = unpin = invalidate = report_engine = task_session = _fail
 
     def stats(self) -> dict[str, Any]:
         return {"unavailable": self.why}

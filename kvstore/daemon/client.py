@@ -61,6 +61,7 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
 from kvstore.record import BlockSpec
+from kvstore.sessions.task import TaskSession
 from kvstore.store.tiered import LookupResult
 from kvstore.tiers.base import check_batch
 
@@ -432,6 +433,16 @@ class RemoteStore:
         keys = [check_key(k) for k in keys]
         for p in self._chunks(len(keys)) or [range(0)]:
             self._with_conn(_request(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
+
+    def task_session(self, task_id: str) -> TaskSession:
+        """An agent task's session in the daemon, namespaced by this client's
+        tenant (see :mod:`kvstore.sessions`)."""
+        def call(op: str, task: str, **args: Any) -> Any:
+            meta = {"call": op, "task": task, **{k: v for k, v in args.items() if v is not None}}
+            if "keys" in meta:
+                meta["keys"] = [check_key(k) for k in meta["keys"]]
+            return self._with_conn(_request(Op.SESSION, meta))["result"]
+        return TaskSession(call, task_id)
 
     def report_engine(self, hbm_tokens: int) -> int:
         """This engine's own prefix cache holds ``hbm_tokens``; the daemon sums

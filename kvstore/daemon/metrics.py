@@ -80,6 +80,11 @@ class DaemonCollector:
             yield _family(name, kind, help_, [(label(t), getattr(t, value)) for t in tenants])
         yield _family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
                       [(label(t), len(t.pins)) for t in tenants])
+        sessions = [(t, daemon.store.sessions.tenant_stats(t.name)) for t in tenants]
+        yield _family("tenant_session_tasks", "gauge", "Live agent tasks per tenant.",
+                      [(label(t), s["tasks"]) for t, s in sessions])
+        yield _family("tenant_session_references", "gauge", "Block references a tenant's live tasks hold.",
+                      [(label(t), s["references"]) for t, s in sessions])
 
 
 def _store_families(daemon: Daemon) -> Iterator[Metric]:
@@ -107,6 +112,10 @@ def _store_families(daemon: Daemon) -> Iterator[Metric]:
                   [({"tier": t, "counter": k}, v) for t, row in tiers.items()
                    for k, v in sorted(row.get("tier", {}).items()) if isinstance(v, (int, float))])
     yield from _placement_families(snap)
+    sessions = snap.get("sessions", {})
+    for key, help_ in (("tasks", "Live agent tasks (all tenants)."), ("paused", "Live tasks paused for a tool."),
+                       ("held_blocks", "Blocks live tasks hold (never evicted while held).")):
+        yield _family(f"session_{key}", "gauge", help_, [({}, sessions.get(key, 0))])
     yield _family("requests_total", "counter", "Requests served, by opcode.",
                   [({"op": op}, n) for op, n in daemon.requests.items()])
     yield _family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",

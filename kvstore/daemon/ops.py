@@ -35,6 +35,7 @@ from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
+from kvstore.sessions.ledger import CALLS, SessionError
 from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +44,9 @@ if TYPE_CHECKING:  # pragma: no cover
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
 MAX_ENGINES_PER_TENANT = 16   # engines one tenant may report (see _engine)
+MAX_TASKS_PER_TENANT = 4096   # live agent tasks (see _session)
+_SESSION_ARGS: dict[str, type | tuple[type, ...]] = {
+    "step": str, "idem": str, "child": str, "name": str, "tool_s": (int, float)}
 _RECONCILE_SLICE = 4096
 _RECONCILE_EVERY_S = 10.0
 
@@ -60,8 +64,11 @@ class Handlers:
             Op.PING: self._ping, Op.LOOKUP: self._lookup, Op.PUT: self._put, Op.GET: self._get,
             Op.PREFETCH: self._prefetch, Op.PIN: self._pin, Op.UNPIN: self._unpin,
             Op.INVALIDATE: self._invalidate, Op.STATS: self._stats, Op.METRICS: self._metrics,
-            Op.SHM_ATTACH: self._attach, Op.ENGINE: self._engine,
+            Op.SHM_ATTACH: self._attach, Op.ENGINE: self._engine, Op.SESSION: self._session,
         }
+        # held blocks are never evicted: bound what one tenant's tasks may hold
+        self.store.sessions.max_tasks = MAX_TASKS_PER_TENANT
+        self.store.sessions.max_refs = self.limits.max_pins_per_tenant
 
     async def handle(self, conn: Conn, op: Op, meta: dict, payload: memoryview) -> Reply:
         if op is Op.HELLO:
@@ -257,6 +264,25 @@ class Handlers:
             self.store.report_engine(0, engine=f"{ten.label}/{oldest}")
         names[engine] = tokens
         return {"hbm_tokens": self.store.report_engine(tokens, engine=f"{ten.label}/{engine}")}
+
+    async def _session(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
+        """A task session call in the tenant's own namespace: task ids are the
+        tenant's (another tenant's task is TaskNotFound, the same as none),
+        keys are re-keyed like every other op's, so a task can hold only
+        blocks of its own tenant. A child task is made by ``fork`` only."""
+        call, task = meta.get("call"), meta.get("task")
+        if call not in CALLS or not isinstance(task, str):
+            raise SessionError(f"a session call is one of {list(CALLS)} with a task id")
+        args: dict[str, Any] = {}
+        for name, kind in _SESSION_ARGS.items():
+            v = meta.get(name)
+            if v is not None:
+                if not isinstance(v, kind) or isinstance(v, bool):
+                    raise SessionError(f"session field {name} has the wrong type")
+                args[name] = v
+        if call == "append":
+            args["keys"] = await self._keys(ten, meta)
+        return {"result": self.store.session_call(call, ten.name, task, args)}
 
     async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         keys = await self._keys(ten, meta)

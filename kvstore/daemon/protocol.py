@@ -33,6 +33,7 @@ import msgpack
 
 from kvstore import errors
 from kvstore.errors import AuthFailed, KVStoreError, ProtocolError
+from kvstore.sessions.ledger import SessionError, TaskNotFound
 
 __all__ = ["AuthFailed", "ProtocolError"]   # re-exported: they live in kvstore.errors
 
@@ -67,13 +68,14 @@ class Op(enum.IntEnum):
     METRICS = 11      # {} -> {"text": Prometheus exposition of this tenant (all, for an admin)}
     SHM_ATTACH = 12   # {"size"} -> {"size"} + the segment's fd (SCM_RIGHTS): bulk bytes through it
     ENGINE = 13       # {"engine": id, "hbm_tokens"} -> {"hbm_tokens": the total the store counts}
+    SESSION = 14      # {"call", "task", [step, idem, keys, child, name, tool_s]} -> {"result"} (kvstore.sessions)
 
 
 # the only error classes a reply may name; anything else becomes KVStoreError
 _ERRORS: dict[str, type[KVStoreError]] = {
     c.__name__: c for c in (KVStoreError, errors.ConfigError, errors.InvalidKey, errors.InvalidBlock,
                             errors.InvalidHint, errors.LayoutMismatch, errors.TierUnavailable,
-                            errors.Overloaded, AuthFailed, ProtocolError)
+                            errors.Overloaded, AuthFailed, ProtocolError, SessionError, TaskNotFound)
 }
 
 

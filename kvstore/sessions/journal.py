@@ -24,9 +24,9 @@ from typing import Any
 
 from kvstore.errors import CorruptRecord
 from kvstore.keys import check_key
-from kvstore.sessions.ledger import SessionLedger
+from kvstore.sessions.ledger import CALLS, SessionError, SessionLedger, apply
 
-OPS = ("begin", "append", "fork", "join", "checkpoint", "rollback", "pause", "resume", "end")
+OPS = CALLS
 
 
 def _line(record: dict) -> bytes:
@@ -49,46 +49,37 @@ def _parse(raw: bytes) -> dict | None:
 class SessionJournal:
     """A ledger whose every call is journalled to ``path`` first."""
 
-    def __init__(self, path: str | Path, *, sync: bool = True) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path | None, *, sync: bool = True,
+                 ledger: SessionLedger | None = None) -> None:
+        """``path`` None: in memory only (a store without a persistent tier)."""
         self.sync = sync
-        self.ledger = SessionLedger()
+        self.ledger = ledger if ledger is not None else SessionLedger()
         self.dropped_tail = 0
+        self._fh = None
+        self.path = None if path is None else Path(path)
+        if self.path is None:
+            return
         if self.path.exists():
             self._replay()
         self._compact()
         self._fh = open(self.path, "ab")
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
     # -- the calls (journalled, then applied) --------------------------------
-    def call(self, op: str, tenant: str, task: str, **args: Any) -> Any:
-        """Apply ``op`` to the ledger (validating it), then journal it. A call
-        the ledger refuses is not journalled."""
-        result = self._apply(self.ledger, op, tenant, task, args)
-        self._write({"op": op, "tenant": tenant, "task": task, **_encode(args)})
+    def call(self, op: str, tenant: str, task: str, **args: Any) -> int | bool | None:
+        """Apply ``op`` to the ledger (validating it), then journal it (when
+        there is a file). A call the ledger refuses is not journalled."""
+        result = apply(self.ledger, op, tenant, task, args)
+        if self._fh is not None and not (op == "append" and result is False):   # a retry: nothing new
+            self._write({"op": op, "tenant": tenant, "task": task, **_encode(args)})
         return result
 
-    @staticmethod
-    def _apply(ledger: SessionLedger, op: str, tenant: str, task: str, args: dict) -> Any:
-        if op == "append":
-            return ledger.append(tenant, task, args["step"], args["keys"], args.get("idem"))
-        if op == "fork":
-            return ledger.fork(tenant, task, args["child"])
-        if op == "join":
-            return ledger.join(tenant, task, args["child"])
-        if op in ("checkpoint", "rollback"):
-            return getattr(ledger, op)(tenant, task, args["name"])
-        if op == "pause":
-            return ledger.pause(tenant, task, args["now"], args["tool_s"])
-        if op == "begin":
-            return ledger.begin(tenant, task, args.get("parent"))
-        if op in ("resume", "end"):
-            return getattr(ledger, op)(tenant, task)
-        raise CorruptRecord(f"unknown session op {op!r}")
-
     def _write(self, record: dict) -> None:
+        assert self._fh is not None
         self._fh.write(_line(record))
         self._fh.flush()
         if self.sync:
@@ -96,6 +87,7 @@ class SessionJournal:
 
     # -- open: replay, then compact ---------------------------------------------
     def _replay(self) -> None:
+        assert self.path is not None
         lines = self.path.read_bytes().split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
@@ -107,9 +99,13 @@ class SessionJournal:
                     break
                 raise CorruptRecord(f"{self.path}: record {i + 1} is damaged")
             args = _decode({k: v for k, v in rec.items() if k not in ("op", "tenant", "task")})
-            self._apply(self.ledger, rec["op"], rec["tenant"], rec["task"], args)
+            try:
+                apply(self.ledger, rec["op"], rec["tenant"], rec["task"], args)
+            except (SessionError, KeyError, TypeError) as exc:
+                raise CorruptRecord(f"{self.path}: record {i + 1} does not apply ({exc})") from None
 
     def _compact(self) -> None:
+        assert self.path is not None
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as fh:
             for task in self.ledger.live():

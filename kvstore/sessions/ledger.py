@@ -32,6 +32,7 @@ from kvstore.errors import KVStoreError
 MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
 MAX_CHECKPOINTS = 256       # per task
+CALLS = ("begin", "append", "fork", "join", "checkpoint", "rollback", "pause", "resume", "end")
 
 
 class SessionError(KVStoreError, ValueError):
@@ -77,11 +78,16 @@ def check_task_id(task_id: object) -> str:
 
 
 class SessionLedger:
-    """Live tasks and the references they hold, per tenant."""
+    """Live tasks and the references they hold, per tenant. ``max_tasks`` and
+    ``max_refs`` bound what one tenant may hold (a daemon sets them: held
+    blocks are never evicted, so an unbounded tenant could keep the whole
+    cache for itself); ``None`` is no bound."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_tasks: int | None = None, max_refs: int | None = None) -> None:
         self._tasks: dict[tuple[str, str], Task] = {}
         self._refs: Counter = Counter()     # block key -> references held by live tasks
+        self._per_tenant: Counter = Counter()   # tenant -> references its tasks hold
+        self.max_tasks, self.max_refs = max_tasks, max_refs
 
     # -- queries ---------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -95,7 +101,7 @@ class SessionLedger:
         return len(self._refs)
 
     def task(self, tenant: str, task_id: str) -> Task:
-        t = self._tasks.get((tenant, task_id))
+        t = self._tasks.get((tenant, check_task_id(task_id)))
         if t is None:
             raise TaskNotFound(f"no task {task_id[:32]!r}")
         return t
@@ -110,6 +116,8 @@ class SessionLedger:
         key = (tenant, check_task_id(task_id))
         if key in self._tasks:
             return self._tasks[key]
+        if self.max_tasks is not None and sum(t == tenant for t, _ in self._tasks) >= self.max_tasks:
+            raise SessionError(f"{self.max_tasks} tasks are live for this tenant, its limit: end some")
         task = Task(tenant, task_id, parent)
         self._tasks[key] = task
         if parent is not None and (tenant, parent) in self._tasks:
@@ -131,26 +139,32 @@ class SessionLedger:
                idem: str | None = None) -> bool:
         """The sealed blocks of one call; False when ``idem`` was applied
         already (nothing changes)."""
-        task = self._running(tenant, task_id)
+        task = self.task(tenant, task_id)
         idem = check_task_id(idem if idem is not None else step)
         if idem in task.idems:
-            return False
+            return False             # a retry changes nothing, not even the task's state
+        self._running(tenant, task_id)
         if len(task.steps) >= MAX_STEPS:
             raise SessionError(f"task {task_id[:32]!r} has {MAX_STEPS} steps: end it or roll back")
-        task.steps.append(Step(check_task_id(step), idem, tuple(keys)))
-        self._refs.update(task.steps[-1].keys)
+        new = Step(check_task_id(step), idem, tuple(keys))
+        self._hold(tenant, new.keys)
+        task.steps.append(new)
         return True
 
     def fork(self, tenant: str, task_id: str, child_id: str) -> Task:
         """A child sharing every block the parent holds now, by reference."""
         parent = self._running(tenant, task_id)
-        if (tenant, check_task_id(child_id)) in self._tasks:
+        existing = self._tasks.get((tenant, check_task_id(child_id)))
+        if existing is not None:
+            if existing.parent == task_id:
+                return existing          # a retried fork
             raise SessionError(f"task {child_id[:32]!r} exists")
-        child = self.begin(tenant, child_id, parent=task_id)
         inherited = tuple(parent.keys())
+        if self.max_refs is not None and self._per_tenant[tenant] + len(inherited) > self.max_refs:
+            raise SessionError(f"a fork would hold more than {self.max_refs} block references, the limit")
+        child = self.begin(tenant, child_id, parent=task_id)
         child.steps.append(Step(f"fork:{task_id}", f"fork:{task_id}", inherited))
-        self._refs.update(inherited)
-        parent.children.add(child_id)
+        self._hold(tenant, inherited)
         return child
 
     def join(self, tenant: str, task_id: str, child_id: str) -> None:
@@ -163,15 +177,17 @@ class SessionLedger:
         parent.children.discard(child_id)
 
     def checkpoint(self, tenant: str, task_id: str, name: str) -> None:
+        name = check_task_id(name)
         task = self.task(tenant, task_id)
         if name not in task.checkpoints and len(task.checkpoints) >= MAX_CHECKPOINTS:
             raise SessionError(f"task {task_id[:32]!r} has {MAX_CHECKPOINTS} checkpoints")
-        task.checkpoints[check_task_id(name)] = len(task.steps)
+        task.checkpoints[name] = len(task.steps)
 
     def rollback(self, tenant: str, task_id: str, name: str) -> list[Hashable]:
         """Drop the steps after checkpoint ``name`` (their references, their
         idempotency keys: a re-run step applies again, and checkpoints made
         after it). Returns the keys no live task holds any more."""
+        name = check_task_id(name)
         task = self.task(tenant, task_id)
         if name not in task.checkpoints:
             raise SessionError(f"task {task_id[:32]!r} has no checkpoint {name[:32]!r}")
@@ -179,7 +195,7 @@ class SessionLedger:
         dropped = task.steps[keep:]
         del task.steps[keep:]
         task.checkpoints = {n: i for n, i in task.checkpoints.items() if i <= keep}
-        return self._release(k for s in dropped for k in s.keys)
+        return self._release(tenant, [k for s in dropped for k in s.keys])
 
     def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float) -> None:
         if not isinstance(expected_tool_s, (int, float)) or isinstance(expected_tool_s, bool) \
@@ -204,7 +220,7 @@ class SessionLedger:
         del self._tasks[(tenant, task_id)]
         if task.parent is not None and (tenant, task.parent) in self._tasks:
             self._tasks[(tenant, task.parent)].children.discard(task_id)
-        return freed + self._release(task.keys())
+        return freed + self._release(tenant, list(task.keys()))
 
     # -- internals -------------------------------------------------------------
     def _running(self, tenant: str, task_id: str) -> Task:
@@ -213,7 +229,17 @@ class SessionLedger:
             task.state, task.resume_at = "running", None
         return task
 
-    def _release(self, keys: Iterable[Hashable]) -> list[Hashable]:
+    def _hold(self, tenant: str, keys: Sequence[Hashable]) -> None:
+        if self.max_refs is not None and self._per_tenant[tenant] + len(keys) > self.max_refs:
+            raise SessionError(f"this tenant's tasks would hold more than {self.max_refs} block "
+                               "references, the limit: end or roll back some")
+        self._refs.update(keys)
+        self._per_tenant[tenant] += len(keys)
+
+    def _release(self, tenant: str, keys: Sequence[Hashable]) -> list[Hashable]:
+        self._per_tenant[tenant] -= len(keys)
+        if self._per_tenant[tenant] <= 0:
+            del self._per_tenant[tenant]
         freed = []
         refs = self._refs
         for k in keys:
@@ -230,3 +256,32 @@ class SessionLedger:
     def stats(self) -> dict:
         return {"tasks": len(self._tasks), "held_blocks": len(self._refs),
                 "paused": sum(t.state == "paused" for t in self._tasks.values())}
+
+    def tenant_stats(self, tenant: str) -> dict:
+        """One tenant's live tasks and the block references they hold."""
+        return {"tasks": sum(t == tenant for t, _ in self._tasks), "references": self._per_tenant.get(tenant, 0)}
+
+
+def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) -> int | bool | None:
+    """One session call by name, as the journal, the daemon and the store's
+    sessions make it: ``append`` returns whether it applied, ``rollback``
+    and ``end`` how many blocks went cold, the rest None."""
+    if call == "append":
+        return ledger.append(tenant, task, args.get("step"), args.get("keys", ()), args.get("idem"))  # type: ignore[arg-type]
+    if call in ("fork", "join"):
+        getattr(ledger, call)(tenant, task, args.get("child"))
+    elif call == "checkpoint":
+        ledger.checkpoint(tenant, task, args.get("name"))  # type: ignore[arg-type]
+    elif call == "rollback":
+        return len(ledger.rollback(tenant, task, args.get("name")))  # type: ignore[arg-type]
+    elif call == "pause":
+        ledger.pause(tenant, task, float(args.get("now", 0.0)), args.get("tool_s"))  # type: ignore[arg-type]
+    elif call == "begin":
+        ledger.begin(tenant, task, args.get("parent"))
+    elif call == "resume":
+        ledger.resume(tenant, task)
+    elif call == "end":
+        return len(ledger.end(tenant, task))
+    else:
+        raise SessionError(f"unknown session call {str(call)[:32]!r}; one of {list(CALLS)}")
+    return None

@@ -1,60 +1,55 @@
-"""``TaskSession``: one agent task's calls on a store's session ledger.
+"""``TaskSession``: one agent task's calls, wherever its ledger lives.
 
-``store.task_session(task_id)`` gives one; every call names the task and
-the tenant it was opened for, so a session object cannot reach another
-tenant's tasks. ``run`` routes each ledger call to where the ledger lives
-(the store's event loop, for the sync facade).
+``store.task_session(task_id)`` gives one on a local store (its ledger, and
+its journal when the store has an NVMe tier), ``RemoteStore.task_session``
+one whose calls travel to the daemon (namespaced there by the authenticated
+tenant). ``call(op, task, **args)`` is the only thing that differs.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from kvstore.sessions.ledger import SessionLedger, check_task_id
+from kvstore.sessions.ledger import check_task_id
 
-T = TypeVar("T")
-
-
-def _direct(fn: Callable[[], T]) -> T:
-    return fn()
+Call = Callable[..., Any]     # (op, task, **args) -> int | bool | None
 
 
 class TaskSession:
     """begin / append / fork / join / checkpoint / rollback / pause / resume / end."""
 
-    def __init__(self, ledger: SessionLedger, task_id: str, *, tenant: str = "default",
-                 clock: Callable[[], float], run: Callable[[Callable[[], Any]], Any] = _direct) -> None:
-        self.ledger, self.task_id, self.tenant = ledger, check_task_id(task_id), tenant
-        self._clock, self._run = clock, run
+    def __init__(self, call: Call, task_id: str) -> None:
+        self._call, self.task_id = call, check_task_id(task_id)
 
     def begin(self) -> TaskSession:
-        self._run(lambda: self.ledger.begin(self.tenant, self.task_id))
+        self._call("begin", self.task_id)
         return self
 
     def append(self, step: str, keys: Sequence[Hashable], *, idem: str | None = None) -> bool:
         """The sealed blocks of one call, once stored; False for a retried ``idem``."""
-        return self._run(lambda: self.ledger.append(self.tenant, self.task_id, step, list(keys), idem))
+        return bool(self._call("append", self.task_id, step=step, keys=list(keys), idem=idem))
 
     def fork(self, child_id: str) -> TaskSession:
-        self._run(lambda: self.ledger.fork(self.tenant, self.task_id, child_id))
-        return TaskSession(self.ledger, child_id, tenant=self.tenant, clock=self._clock, run=self._run)
+        """A child sharing this task's blocks by reference."""
+        self._call("fork", self.task_id, child=child_id)
+        return TaskSession(self._call, child_id)
 
     def join(self, child_id: str) -> None:
-        self._run(lambda: self.ledger.join(self.tenant, self.task_id, child_id))
+        self._call("join", self.task_id, child=child_id)
 
     def checkpoint(self, name: str) -> None:
-        self._run(lambda: self.ledger.checkpoint(self.tenant, self.task_id, name))
+        self._call("checkpoint", self.task_id, name=name)
 
     def rollback(self, name: str) -> int:
         """Returns how many blocks no live task holds any more."""
-        return len(self._run(lambda: self.ledger.rollback(self.tenant, self.task_id, name)))
+        return int(self._call("rollback", self.task_id, name=name) or 0)
 
     def pause(self, expected_tool_s: float) -> None:
-        self._run(lambda: self.ledger.pause(self.tenant, self.task_id, self._clock(), expected_tool_s))
+        self._call("pause", self.task_id, tool_s=expected_tool_s)
 
     def resume(self) -> None:
-        self._run(lambda: self.ledger.resume(self.tenant, self.task_id))
+        self._call("resume", self.task_id)
 
     def end(self) -> int:
         """Returns how many blocks no live task holds any more (cold now)."""
-        return len(self._run(lambda: self.ledger.end(self.tenant, self.task_id)))
+        return int(self._call("end", self.task_id) or 0)

@@ -21,6 +21,7 @@ from kvstore.keys import BlockKey
 from kvstore.outcomes import MissReason, PutOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.sessions.task import TaskSession
     from kvstore.store.tiered import LookupResult
 
 Consume = Callable[[int, np.ndarray, list[MissReason | None]], None]
@@ -55,6 +56,10 @@ class Store(Protocol):
     def report_engine(self, hbm_tokens: int) -> int:
         """The engine's own prefix cache holds ``hbm_tokens`` (the HBM above
         this store's tiers); returns the total the store now counts."""
+
+    def task_session(self, task_id: str) -> TaskSession:
+        """An agent task's session (:mod:`kvstore.sessions`): while the task
+        lives, the blocks it appended are never evicted."""
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int: ...
 

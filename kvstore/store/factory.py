@@ -79,7 +79,13 @@ def durable_tier(cfg: Config, tiers: list) -> int | None:
 async def build_store(cfg: Config) -> TieredStore:
     tiers = await build_tiers(cfg)
     try:
-        return TieredStore(tiers, placement=build_placement(cfg, tiers),
+        journal = None
+        if cfg.store.nvme is not None:      # session records persist beside the NVMe segments
+            from pathlib import Path  # noqa: PLC0415
+
+            from kvstore.sessions.journal import SessionJournal  # noqa: PLC0415
+            journal = SessionJournal(Path(cfg.store.nvme.path) / "sessions.journal")
+        return TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
                            max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
     except BaseException:       # the tiers hold files and locks: let them go
         for tier in tiers:

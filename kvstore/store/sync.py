@@ -99,7 +99,9 @@ class KVStore:
 
     def task_session(self, task_id: str, *, tenant: str = "default") -> TaskSession:
         """:meth:`TieredStore.task_session`, its calls run on the store's loop."""
-        return TaskSession(self.store.sessions, task_id, tenant=tenant, clock=self.store.clock, run=self._run)
+        store = self.store
+        return TaskSession(lambda op, task, **args: self._run(lambda: store.session_call(op, tenant, task, args)),
+                           task_id)
 
     def report_engine(self, hbm_tokens: int) -> int:
         return self._run(lambda: self.store.report_engine(hbm_tokens))

@@ -36,7 +36,7 @@ from kvstore.policies.base import EvictionPolicy, KnowsCapacity, PlacementPolicy
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
-from kvstore.sessions.ledger import SessionLedger
+from kvstore.sessions.journal import SessionJournal
 from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
 from kvstore.store.leases import Leases, Protected
@@ -64,7 +64,7 @@ class TieredStore:
                  lower_eviction: Callable[[], EvictionPolicy] | None = None,
                  clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
                  max_prefetch_blocks: int = 4096, flush_on_close: bool = True,
-                 durable_tier: int | None = None) -> None:
+                 durable_tier: int | None = None, sessions: SessionJournal | None = None) -> None:
         """``durable_tier``: the index of a tier whose writes are durable when
         they return (NVMe under ``durability="fsync"``). Every block a put
         stores is then written there too, and the put's outcome is that
@@ -72,7 +72,9 @@ class TieredStore:
         tier's NO_SPACE / UNAVAILABLE (a copy in a faster tier may still
         serve hits, but is not acknowledged). ``eviction``: the order of the
         first tier; ``lower_eviction`` that of the others (default: the
-        placement's own when it models reuse, else ``eviction``)."""
+        placement's own when it models reuse, else ``eviction``). ``sessions``:
+        where agent task sessions are kept (a journal beside the NVMe
+        segments; default: in memory)."""
         if not tiers:
             raise KVStoreError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -87,7 +89,8 @@ class TieredStore:
         self.durable_tier = durable_tier
         self.clock = clock
         self.leases = Leases(clock)
-        self.sessions = SessionLedger()        # agent tasks: the blocks they hold are kept like pins
+        self.journal = sessions or SessionJournal(None)
+        self.sessions = self.journal.ledger    # agent tasks: the blocks they hold are kept like pins
         self.protected = Protected(self.leases, self.sessions)
         self.stats = StoreStats()
         for n in names:
@@ -501,7 +504,14 @@ class TieredStore:
         """One agent task's session (see :mod:`kvstore.sessions`): while the
         task lives, the blocks it appended are never evicted, like pins.
         Call it on the store's event loop (the sync facade routes it there)."""
-        return TaskSession(self.sessions, task_id, tenant=tenant, clock=self.clock)
+        return TaskSession(lambda op, task, **args: self.session_call(op, tenant, task, args), task_id)
+
+    def session_call(self, op: str, tenant: str, task: str, args: dict) -> int | bool | None:
+        """One session call for ``tenant`` (journalled first when the store
+        has a journal); a pause is timed by the store's clock."""
+        if op == "pause":
+            args = {**args, "now": self.clock()}
+        return self.journal.call(op, tenant, task, **args)
 
     def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:
@@ -600,6 +610,7 @@ class TieredStore:
                 snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()
         snap["engine_hbm_tokens"] = sum(self._engines.values())
+        snap["sessions"] = self.sessions.stats()
         return snap
 
     async def aflush(self) -> int:
@@ -617,6 +628,7 @@ class TieredStore:
             await self.aflush()
         for tier in self.tiers:
             await tier.close()
+        self.journal.close()
 
 
 @dataclass(frozen=True)

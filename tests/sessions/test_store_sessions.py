@@ -70,3 +70,26 @@ def test_one_tenants_session_cannot_reach_anothers_task(store):
         with pytest.raises(TaskNotFound):
             call()
     assert store.store.sessions.refcount(keys[0]) == 1
+
+
+def test_a_task_resumes_from_its_journal_after_a_restart(tmp_path):
+    from kvstore.store.factory import open_store
+    cfg = {"store": {"dram": {"capacity_bytes": 8 * BB, "pinned": "no"},
+                     "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 1 << 22}}}
+    keys = block_keys(ID, range(16 * 3))
+    with open_store(cfg) as s:
+        s.put(ID, keys, blocks(3))
+        t = s.task_session("agent", tenant="a").begin()
+        t.append("call-1", keys[:2], idem="c1")
+        t.checkpoint("before-tool")
+        t.append("call-2", keys[2:], idem="c2")
+        t.pause(30.0)
+    assert (tmp_path / "nvme" / "sessions.journal").is_file()
+    with open_store(cfg) as s:
+        t = s.task_session("agent", tenant="a")
+        assert not t.append("call-2 retried", keys[2:], idem="c2")    # applied before the restart
+        assert all(k in s.store.protected for k in keys)
+        assert s.store.sessions.task("a", "agent").state == "paused"
+        assert t.rollback("before-tool") == 1                         # keys[2] goes cold
+        with pytest.raises(TaskNotFound):
+            s.task_session("agent", tenant="b").resume()              # not another tenant's
