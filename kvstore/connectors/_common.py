@@ -326,3 +326,85 @@ def request_followup(params: Mapping[str, Any] | None, guard: StoreGuard) -> flo
     except InvalidHint as exc:
         guard.warn_once(f"request hint {FOLLOWUP_PARAM!r}", exc, "ignoring it")
         return None
+
+
+# the key of a request's params holding its agent task (kvstore.sessions)
+TASK_PARAM = "kvstore_task"
+_TASK_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "id": str, "parent": str, "step": (str, int), "tool_s": (int, float), "checkpoint": str,
+    "rollback": str, "end": bool}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskHint:
+    """A request's place in an agent task: ``{"kvstore_task": {"id", "parent",
+    "step", "tool_s", "checkpoint", "rollback", "end"}}``. ``id`` names the
+    task; ``parent`` forks it from that task when it is new; ``rollback``
+    rolls the task back to a checkpoint before the request; after it,
+    the request's sealed blocks are the task's step ``step``, then
+    ``checkpoint`` marks the task, ``tool_s`` pauses it for a tool call
+    of about that long, and ``end`` ends it."""
+
+    id: str
+    step: str
+    parent: str | None = None
+    tool_s: float | None = None
+    checkpoint: str | None = None
+    rollback: str | None = None
+    end: bool = False
+
+
+def request_task(params: Mapping[str, Any] | None, guard: StoreGuard) -> TaskHint | None:
+    """The task hint in a request's params; a bad one is logged once and ignored."""
+    raw = params.get(TASK_PARAM) if isinstance(params, Mapping) else None
+    if raw is None:
+        return None
+    try:
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str) or "step" not in raw:
+            raise InvalidHint(f"{TASK_PARAM} must be an object with an 'id' and a 'step'")
+        unknown = sorted(str(k)[:32] for k in raw if k not in _TASK_FIELDS)
+        if unknown:
+            raise InvalidHint(f"{TASK_PARAM}: unknown field(s) {unknown[:8]}")
+        for name, v in raw.items():
+            kind = _TASK_FIELDS[name]
+            if v is not None and (not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool)):
+                raise InvalidHint(f"{TASK_PARAM}.{name} has the wrong type")
+        from kvstore.sessions.ledger import check_task_id  # noqa: PLC0415
+        step = str(raw["step"])
+        for v in (raw["id"], step, raw.get("parent"), raw.get("checkpoint"), raw.get("rollback")):
+            if v is not None:
+                check_task_id(v)
+        tool_s = raw.get("tool_s")
+        return TaskHint(raw["id"], step, raw.get("parent"), None if tool_s is None else float(tool_s),
+                        raw.get("checkpoint"), raw.get("rollback"), bool(raw.get("end")))
+    except (InvalidHint, KVStoreError) as exc:
+        guard.warn_once(f"request hint {TASK_PARAM!r}", exc, "ignoring it")
+        return None
+
+
+def task_before(store: Store, hint: TaskHint, guard: StoreGuard) -> None:
+    """What a task's request does before its lookup: begin the task (fork it
+    from ``parent`` when new) and roll it back when asked. Never raises."""
+    def run() -> None:
+        if hint.parent is not None:
+            store.task_session(hint.parent).fork(hint.id)   # a no-op for a live child
+        else:
+            store.task_session(hint.id).begin()
+        if hint.rollback is not None:
+            store.task_session(hint.id).rollback(hint.rollback)
+    guard.call("task", run, None)
+
+
+def task_after(store: Store, hint: TaskHint, keys: Sequence[Any], guard: StoreGuard) -> None:
+    """What a task's request does once its blocks are saved: append them as
+    the step (idempotent by task and step), then checkpoint, pause, end."""
+    def run() -> None:
+        s = store.task_session(hint.id)
+        s.append(hint.step, keys, idem=f"step:{hint.step}")
+        if hint.checkpoint is not None:
+            s.checkpoint(hint.checkpoint)
+        if hint.end:
+            s.end()
+        elif hint.tool_s is not None:
+            s.pause(hint.tool_s)
+    guard.call("task", run, None)

@@ -40,6 +40,7 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
+from kvstore.sessions.task import TaskSession
 from kvstore.store.facade import Store
 
 try:
@@ -123,21 +124,30 @@ class HFPrefixCache:
         return block_keys(self.identity, _tokens(input_ids))
 
     # -- save -----------------------------------------------------------------
-    def save(self, input_ids: Any, cache: Any, *, skip: int = 0) -> list[PutOutcome]:
+    def save(self, input_ids: Any, cache: Any, *, skip: int = 0, task: TaskSession | None = None,
+             step: str | None = None) -> list[PutOutcome]:
         """Store every sealed block of ``input_ids`` that ``cache`` holds.
 
         ``skip`` leading blocks are not re-sent (the caller restored them).
         Returns one outcome per block sent; puts are idempotent, so re-saving
-        a prefix costs a copy but changes nothing.
+        a prefix costs a copy but changes nothing. With ``task`` (a
+        ``store.task_session(...)``) every sealed block, restored ones too,
+        becomes that task's ``step`` (idempotent: a re-saved step holds nothing more).
         """
         tokens = _tokens(input_ids)
         held = min(len(tokens), cache.get_seq_length())
-        keys = block_keys(self.identity, tokens[:held])[skip:]
-        if not keys:
-            return []
-        blocks = self._gather(cache, skip, len(keys))
-        outcome = self.guard.call("put", lambda: self.store.put(self.identity, keys, list(blocks)),
-                                  [PutOutcome.UNAVAILABLE] * len(keys))
+        every = block_keys(self.identity, tokens[:held])
+        keys = every[skip:]
+        outcome: list[PutOutcome] = []
+        if keys:
+            blocks = self._gather(cache, skip, len(keys))
+            outcome = self.guard.call("put", lambda: self.store.put(self.identity, keys, list(blocks)),
+                                      [PutOutcome.UNAVAILABLE] * len(keys))
+        if task is not None:
+            stored = [k for k, o in zip(keys, outcome) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
+            mine = every[:skip] + stored
+            name = step if step is not None else f"save-{len(every)}"
+            self.guard.call("task", lambda: task.append(name, mine, idem=name), False)
         return outcome
 
     def _gather(self, cache: Any, first: int, count: int) -> np.ndarray:

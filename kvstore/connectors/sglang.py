@@ -52,6 +52,7 @@ from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey
 from kvstore.outcomes import MissReason, PutOutcome
+from kvstore.sessions.task import TaskSession
 
 try:
     import torch
@@ -106,6 +107,15 @@ class KVStoreHiCache(HiCacheStorage):
         self.guard = StoreGuard("sglang")
         self.identity: CacheIdentity | None = None
         self.mem_pool_host: Any = None
+
+    def task_session(self, task_id: str) -> TaskSession:
+        """An agent task's session on this backend's store (:mod:`kvstore.sessions`):
+        append the keys of a call's pages as its steps, fork, roll back, pause, end."""
+        return self.store.task_session(task_id)
+
+    def page_keys(self, page_hashes: list[str]) -> list[BlockKey]:
+        """The store keys of SGLang page hashes, as this backend stores them."""
+        return [self.block_key(h) for h in page_hashes]
 
     # -- registration ------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

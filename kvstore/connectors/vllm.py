@@ -57,14 +57,18 @@ import numpy as np
 from kvstore.connectors._common import (
     ConnectorConfig,
     StoreGuard,
+    TaskHint,
     attention_kind,
     build_identity,
     dtype_name,
     engine_logging,
     process_local_tiers,
     request_followup,
+    request_task,
     rope_fields,
     shared_store,
+    task_after,
+    task_before,
 )
 from kvstore.errors import ConfigError, MissingDependency
 from kvstore.identity import CacheIdentity, KVLayout
@@ -195,6 +199,7 @@ class _ReqState:
     load: tuple[int, int] | None = None      # (first block, end block) to load
     saved_upto: int = 0                      # blocks before this are saved or loaded
     followup: float | None = None            # the request's follow-up hint, if it gave one
+    task: TaskHint | None = None             # the request's agent task, if it names one
     counted: bool = False                    # the store has counted this request's lookup
 
 
@@ -249,8 +254,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if st is None:
             idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
             st = _ReqState(request, idents, [KeyChain(i) for i in idents],
-                           followup=request_followup(request.kv_transfer_params, self.guard))
+                           followup=request_followup(request.kv_transfer_params, self.guard),
+                           task=request_task(request.kv_transfer_params, self.guard))
             self.requests[request.request_id] = st
+            if st.task is not None:
+                task_before(self.store, st.task, self.guard)
         return st
 
     def _keys(self, st: _ReqState, upto_blocks: int) -> list[list[BlockKey]]:
@@ -373,7 +381,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # saves copy out of vLLM's blocks within their step: nothing still reads them
-        self.requests.pop(request.request_id, None)
+        st = self.requests.pop(request.request_id, None)
+        if st is not None and st.task is not None:      # every rank's stored blocks are the step's
+            keys = [k for chain in self._keys(st, st.saved_upto) for k in chain]
+            task_after(self.store, st.task, keys, self.guard)
         return False, None
 
     # ==== worker side ==============================================================

@@ -114,3 +114,33 @@ def test_every_store_call_of_a_connector_is_timed_in_the_default_registry():
     assert got[("kvstore_connector_seconds_sum", "get", "ok")] >= 0.02
     assert got[("kvstore_connector_seconds_count", "put", "error")] == 1
     assert ("kvstore_connector_seconds_count", "put", "ok") not in got
+
+
+def test_a_task_hint_drives_the_session_and_bad_ones_are_ignored_once(caplog, tmp_path):
+    from kvstore.connectors._common import TASK_PARAM, request_task, task_after, task_before
+    from kvstore.identity import CacheIdentity, KVLayout
+    from kvstore.keys import block_keys
+    guard = StoreGuard("t")
+    good = request_task({TASK_PARAM: {"id": "job", "step": 1, "tool_s": 3, "checkpoint": "c1"}}, guard)
+    assert good is not None and (good.id, good.step, good.tool_s, good.checkpoint) == ("job", "1", 3.0, "c1")
+    with caplog.at_level(logging.WARNING):
+        for bad in ({"step": 1}, {"id": "x"}, {"id": 5, "step": 1}, {"id": "x", "step": 1, "tool_s": "3"},
+                    {"id": "x", "step": 1, "nope": 1}, {"id": "x\n", "step": 1}, "job",
+                    {"id": "x", "step": True}, {"id": "x", "step": 1, "end": 1}):
+            assert request_task({TASK_PARAM: bad}, guard) is None, bad
+    assert sum("kvstore_task" in r.message for r in caplog.records) <= 2       # once per kind of error
+    assert request_task({}, guard) is None and request_task(None, guard) is None
+    ident = CacheIdentity("m", KVLayout(1, 1, 32, 16, dtype="float16"))
+    keys = block_keys(ident, range(32))
+    with open_store({"store": {"dram": {"capacity_bytes": 1 << 20, "pinned": "no"}}}) as store:
+        task_before(store, good, guard)
+        task_after(store, good, keys, guard)
+        task_after(store, good, keys, guard)                     # a re-sent request: idempotent
+        ledger = store.store.sessions
+        assert ledger.task("default", "job").state == "paused" and ledger.refcount(keys[0]) == 1
+        child = request_task({TASK_PARAM: {"id": "sub", "parent": "job", "step": 0, "end": True}}, guard)
+        task_before(store, child, guard)
+        assert ledger.refcount(keys[0]) == 2                     # the fork shares by reference
+        task_after(store, child, [], guard)
+        assert ledger.refcount(keys[0]) == 1 and ledger.tasks("default") == ["job"]
+    assert guard.errors == 0

@@ -187,3 +187,23 @@ def test_loads_and_saves_of_a_real_model_are_timed(model, store, ident, saved_pr
         assert after[name] - before.get(name, 0) >= 1, op
         sums = ("kvstore_connector_seconds_sum", op, "ok")
         assert after[sums] > before.get(sums, 0), op
+
+
+def test_a_saved_call_becomes_a_task_step_and_a_restored_prefix_is_shared(model, store, ident, saved_prompt):
+    """The transformers path reaches the session API: each save is a step of
+    the task; a retried save holds nothing more; a fork shares by reference."""
+    pc = HFPrefixCache(store, ident, config=model.config)
+    task = store.task_session("hf-agent").begin()
+    ids = torch.cat([saved_prompt, tokens(7, 40)], dim=1)              # call 2: the prompt + a tool result
+    restored = pc.load(ids)
+    assert restored.num_blocks == 6                                      # the saved prompt's blocks
+    _, cache = prefill(model, ids[:, restored.num_tokens:], restored.cache)
+    pc.save(ids, cache, skip=restored.num_blocks, task=task, step="call-2")
+    keys = pc.keys(ids)
+    ledger = store.store.sessions
+    assert all(ledger.refcount(k) == 1 for k in keys)                   # restored and new blocks alike
+    pc.save(ids, cache, skip=restored.num_blocks, task=task, step="call-2")  # a retry
+    assert all(ledger.refcount(k) == 1 for k in keys)
+    task.fork("hf-sub")
+    assert ledger.refcount(keys[0]) == 2
+    assert task.end() == len(keys) and not any(k in ledger for k in keys)

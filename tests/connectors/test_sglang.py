@@ -216,3 +216,18 @@ def test_mla_contiguous_pages_are_read_in_place_and_shared_by_tp_ranks():
     reader = make_backend(dst, tp_rank=1, is_mla_model=True)    # MLA: one copy for all ranks
     assert reader.batch_get_v1(keys, indices([5, 6])) == [True, True]
     assert torch.equal(dst.kv_buffer[5 * PAGE:7 * PAGE], src.kv_buffer[0:2 * PAGE])
+
+
+def test_sglang_pages_reach_the_session_api(saved):
+    """An SGLang user's agent task holds the pages its calls stored: a page
+    held by a live task is protected from eviction, and ends with the task."""
+    backend, _ = saved
+    keys = backend.page_keys(page_keys(TOKENS))
+    task = backend.task_session("sg-agent").begin()
+    assert task.append("call-1", keys[:3]) and not task.append("call-1", keys[:3])
+    task.checkpoint("c1")
+    task.append("call-2", keys[3:])
+    store = backend.store.store
+    assert all(k in store.protected for k in keys)
+    assert task.rollback("c1") == 2 and all(k in store.protected for k in keys[:3])
+    assert task.end() == 3 and not any(k in store.protected for k in keys)

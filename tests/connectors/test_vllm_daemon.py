@@ -41,6 +41,7 @@ from tests.connectors.test_vllm import (
     A,
     C,
     _driver_env,
+    prompt,
     vllm_python,
 )
 
@@ -48,6 +49,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 TOKEN = "vllm-daemon-token-0001"
 A_BLOCKS, C_BLOCKS = len(A) // BS, len(C) // BS      # sealed blocks (6 and 3)
+# an agent loop: call 1, a tool result lands in call 1's partial block, call 2;
+# then a rollback to the checkpoint after call 1 and step 2 re-run with another result
+T1 = prompt(10, 100)                                  # 3 sealed blocks + 4 tokens
+T2, T2B = T1 + prompt(11, 70), T1 + prompt(12, 70)
+T1_BLOCKS = len(T1) // BS
 
 # Builds the tiny model (tiny_model.py), then runs vllm_driver's engines in
 # order; an engine with "wait_for" starts only once that file exists. Results
@@ -74,8 +80,9 @@ for engine in spec["engines"]:
 """
 
 
-def gen(i: str, tokens: list[int], salt: str | None = None) -> dict:
-    return {"op": "generate", "id": i, "tokens": tokens, "salt": salt}
+def gen(i: str, tokens: list[int], salt: str | None = None, task: dict | None = None) -> dict:
+    return {"op": "generate", "id": i, "tokens": tokens, "salt": salt,
+            "kv": {"kvstore_task": task} if task else None}
 
 
 class Runner:
@@ -129,16 +136,22 @@ def runs(tmp_path_factory):
     # DRAM holds everything, so until the restart no block is on NVMe
     daemon = DaemonProc(tmp / "daemon", TOKEN, store={
         "dram": {"capacity_bytes": "64MiB"}, "nvme": {"capacity_bytes": "64MiB", "segment_bytes": "4MiB"}})
-    gate = tmp / "daemon-restarted"
+    gate, gate2 = tmp / "daemon-restarted", tmp / "reloader-counted"
     conn = {"store": {"remote": {"url": daemon.url, "token": TOKEN}},
             "identity": {"model_revision": "test"}}
     spec = {"model": str(tmp / "model"), "engines": [
-        {"name": "plain", "connector": None, "steps": [gen("A", A), gen("C", C)]},
+        {"name": "plain", "connector": None, "steps": [gen("A", A), gen("C", C), gen("T1", T1),
+                                                       gen("T2", T2), gen("T2B", T2B)]},
         {"name": "saver", "connector": conn, "steps": [gen("A", A), gen("C", C, C_SALT)]},
         {"name": "loader", "connector": conn, "prefix_caching": False,
          "steps": [gen("A", A), gen("C", C, C_SALT)]},
         {"name": "reloader", "connector": conn, "prefix_caching": False, "wait_for": str(gate),
          "steps": [gen("A", A), gen("C", C, C_SALT)]},
+        {"name": "agent", "connector": conn, "prefix_caching": False, "wait_for": str(gate2), "steps": [
+            gen("T1", T1, task={"id": "job", "step": 1, "checkpoint": "after-1", "tool_s": 2.0}),
+            gen("T2", T2, task={"id": "job", "step": 2, "tool_s": 1.0}),
+            gen("T2B", T2B, task={"id": "job", "step": 2, "rollback": "after-1"}),
+            gen("bad_hint", T1, task={"id": ["not", "a", "string"], "step": 1})]},
     ]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     daemon.start()
@@ -153,8 +166,11 @@ def runs(tmp_path_factory):
         daemon.start()
         out["stats"]["restarted"] = daemon.tier_stats()
         gate.touch()
-        out.update(runner.wait(300))
+        runner.wait_for_engine("reloader", 300)
         out["stats"]["reloaded"] = daemon.tier_stats()
+        gate2.touch()
+        out.update(runner.wait(300))
+        out["final"] = daemon.stats()
         out["runner_log"] = runner.log_path.read_text(errors="replace")
         return out
     finally:
@@ -216,3 +232,18 @@ def test_no_store_call_failed(runs):
     # the connector's StoreGuard logs a failed store call (daemon unreachable,
     # bad token, protocol error) as "treating as a miss" and carries on
     assert "treating as a miss" not in runs["runner_log"]
+
+
+def test_an_agent_loop_loads_up_to_the_tool_result_and_a_rollback_reruns_plain(runs):
+    agent, plain = runs["agent"], runs["plain"]
+    for call in ("T1", "T2", "T2B"):
+        assert agent[call]["tokens"] == plain[call]["tokens"], call
+    assert agent["T1"]["cached"] == 0
+    assert agent["T2"]["cached"] == T1_BLOCKS * BS        # every block before the tool result
+    assert agent["T2B"]["cached"] == T1_BLOCKS * BS       # after the rollback: call 1's blocks still
+    sessions = runs["final"]["sessions"]
+    # one live task (the bad hint was ignored) holding its steps' blocks: call
+    # 1's and the re-run step's, T2B's sealed blocks (the rollback's own
+    # bookkeeping is tested without an engine, in tests/sessions)
+    assert sessions["tasks"] == 1 and sessions["held_blocks"] == len(T2B) // BS
+    assert "request hint 'kvstore_task'" in runs["runner_log"]   # logged once, not raised

@@ -103,7 +103,8 @@ def run_engine(model: str, spec: dict) -> dict:
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
-                                    ignore_eos=True)
+                                    ignore_eos=True,
+                                    extra_args={"kv_transfer_params": step["kv"]} if step.get("kv") else None)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             results[step["id"]] = {"tokens": list(out.outputs[0].token_ids),
                                    "cached": out.num_cached_tokens or 0}
