@@ -25,6 +25,7 @@ class MissReason(enum.Enum):
     NEVER_STORED = "never_stored"
     EVICTED = "evicted"
     EXPIRED = "expired"
+    TTL_EXPIRED = "ttl_expired"           # a paused agent task's block, dropped past its hold
     INVALIDATED = "invalidated"
     CORRUPT = "corrupt"
     TIER_UNAVAILABLE = "tier_unavailable"

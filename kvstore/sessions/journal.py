@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.errors import CorruptRecord
 from kvstore.keys import check_key
-from kvstore.sessions.ledger import CALLS, SessionError, SessionLedger, apply
+from kvstore.sessions.ledger import CALLS, SessionError, SessionLedger, apply, hold_s
 
 OPS = CALLS
 
@@ -61,6 +61,7 @@ class SessionJournal:
             return
         if self.path.exists():
             self._replay()
+            self._bound_holds()
         self._compact()
         self._fh = open(self.path, "ab")
 
@@ -104,6 +105,14 @@ class SessionJournal:
             except (SessionError, KeyError, TypeError) as exc:
                 raise CorruptRecord(f"{self.path}: record {i + 1} does not apply ({exc})") from None
 
+    def _bound_holds(self) -> None:
+        """A pause journalled before a reboot was timed by another boot's
+        monotonic clock: no hold outlasts its length from now."""
+        now = self.ledger.clock()
+        for task in self.ledger.live():
+            if task.state == "paused":
+                task.hold_until = min(task.hold_until, now + hold_s(task.tool_s))
+
     def _compact(self) -> None:
         assert self.path is not None
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -124,7 +133,7 @@ class SessionJournal:
                                     "name": name}))
                 if task.state == "paused":
                     fh.write(_line({"op": "pause", "tenant": task.tenant, "task": task.task_id,
-                                    "now": task.resume_at, "tool_s": 0.0}))
+                                    "now": task.paused_at, "tool_s": task.tool_s}))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)

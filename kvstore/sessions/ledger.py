@@ -7,6 +7,12 @@ A task (``begin``) appends the sealed blocks of each LLM call as a *step*
 call and resumes, and ends. The ledger counts, per block key, the
 references live tasks hold; a block with a reference is *held*
 (``key in ledger``), which the store treats like a pin: never evicted.
+A paused task holds its blocks for :func:`hold_s` of its expected tool
+time (twice it, plus ``HOLD_GRACE_S``: a tool call that runs long should
+not cost the task its context, one that never returns should not keep it
+forever); past that its blocks are ordinary cached blocks again, demoted
+and dropped by the policy like any other (a drop then misses with reason
+``ttl_expired``), until the task's next call resumes the hold.
 
 Idempotency: a step carries an idempotency key (the step id by default); a
 retried step with a key the task has already applied changes nothing, so a
@@ -23,8 +29,10 @@ Pure bookkeeping, no I/O and no clock of its own (``now`` is passed in);
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
@@ -32,6 +40,14 @@ from kvstore.errors import KVStoreError
 MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
 MAX_CHECKPOINTS = 256       # per task
+HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
+
+
+def hold_s(expected_tool_s: float) -> float:
+    """How long a paused task keeps its blocks held."""
+    return HOLD_FACTOR * expected_tool_s + HOLD_GRACE_S
+
+
 CALLS = ("begin", "append", "fork", "join", "checkpoint", "rollback", "pause", "resume", "end")
 
 
@@ -60,6 +76,9 @@ class Task:
     children: set[str] = field(default_factory=set)
     state: str = "running"              # running | paused
     resume_at: float | None = None      # paused: when the tool call is expected back
+    hold_until: float = math.inf        # paused: when its blocks stop being held
+    paused_at: float = 0.0
+    tool_s: float = 0.0
 
     def keys(self) -> Iterable[Hashable]:
         for s in self.steps:
@@ -83,16 +102,35 @@ class SessionLedger:
     blocks are never evicted, so an unbounded tenant could keep the whole
     cache for itself); ``None`` is no bound."""
 
-    def __init__(self, *, max_tasks: int | None = None, max_refs: int | None = None) -> None:
+    def __init__(self, *, max_tasks: int | None = None, max_refs: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._tasks: dict[tuple[str, str], Task] = {}
         self._refs: Counter = Counter()     # block key -> references held by live tasks
+        self._holders: dict[Hashable, Counter] = {}   # block key -> (tenant, task) -> references
+        self.clock = clock
         self._per_tenant: Counter = Counter()   # tenant -> references its tasks hold
         self.max_tasks, self.max_refs = max_tasks, max_refs
 
     # -- queries ---------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
-        """The block is held by a live task (the store must not evict it)."""
-        return self._refs.get(key, 0) > 0
+        """The block is held by a live task that is running, or paused within
+        its hold (the store must not evict it)."""
+        holders = self._holders.get(key)
+        if not holders:
+            return False
+        now = None
+        for who in holders:
+            task = self._tasks[who]
+            if task.state == "running":
+                return True
+            now = self.clock() if now is None else now
+            if now < task.hold_until:
+                return True
+        return False
+
+    def expired(self, key: Hashable) -> bool:
+        """Referenced by live tasks, but only by paused ones past their hold."""
+        return self._refs.get(key, 0) > 0 and key not in self
 
     def refcount(self, key: Hashable) -> int:
         return self._refs.get(key, 0)
@@ -147,7 +185,7 @@ class SessionLedger:
         if len(task.steps) >= MAX_STEPS:
             raise SessionError(f"task {task_id[:32]!r} has {MAX_STEPS} steps: end it or roll back")
         new = Step(check_task_id(step), idem, tuple(keys))
-        self._hold(tenant, new.keys)
+        self._hold(tenant, task_id, new.keys)
         task.steps.append(new)
         return True
 
@@ -164,7 +202,7 @@ class SessionLedger:
             raise SessionError(f"a fork would hold more than {self.max_refs} block references, the limit")
         child = self.begin(tenant, child_id, parent=task_id)
         child.steps.append(Step(f"fork:{task_id}", f"fork:{task_id}", inherited))
-        self._hold(tenant, inherited)
+        self._hold(tenant, child_id, inherited)
         return child
 
     def join(self, tenant: str, task_id: str, child_id: str) -> None:
@@ -195,7 +233,7 @@ class SessionLedger:
         dropped = task.steps[keep:]
         del task.steps[keep:]
         task.checkpoints = {n: i for n, i in task.checkpoints.items() if i <= keep}
-        return self._release(tenant, [k for s in dropped for k in s.keys])
+        return self._release(tenant, task_id, [k for s in dropped for k in s.keys])
 
     def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float) -> None:
         if not isinstance(expected_tool_s, (int, float)) or isinstance(expected_tool_s, bool) \
@@ -203,10 +241,12 @@ class SessionLedger:
             raise SessionError(f"expected_tool_s must be seconds in [0, 1e7), got {expected_tool_s!r}")
         task = self._running(tenant, task_id)
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
+        task.hold_until = now + hold_s(float(expected_tool_s))
+        task.paused_at, task.tool_s = now, float(expected_tool_s)
 
     def resume(self, tenant: str, task_id: str) -> Task:
         task = self.task(tenant, task_id)
-        task.state, task.resume_at = "running", None
+        task.state, task.resume_at, task.hold_until = "running", None, math.inf
         return task
 
     def end(self, tenant: str, task_id: str) -> list[Hashable]:
@@ -220,29 +260,38 @@ class SessionLedger:
         del self._tasks[(tenant, task_id)]
         if task.parent is not None and (tenant, task.parent) in self._tasks:
             self._tasks[(tenant, task.parent)].children.discard(task_id)
-        return freed + self._release(tenant, list(task.keys()))
+        return freed + self._release(tenant, task_id, list(task.keys()))
 
     # -- internals -------------------------------------------------------------
     def _running(self, tenant: str, task_id: str) -> Task:
         task = self.task(tenant, task_id)
         if task.state == "paused":      # a call arriving means the tool came back
-            task.state, task.resume_at = "running", None
+            task.state, task.resume_at, task.hold_until = "running", None, math.inf
         return task
 
-    def _hold(self, tenant: str, keys: Sequence[Hashable]) -> None:
+    def _hold(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> None:
         if self.max_refs is not None and self._per_tenant[tenant] + len(keys) > self.max_refs:
             raise SessionError(f"this tenant's tasks would hold more than {self.max_refs} block "
                                "references, the limit: end or roll back some")
         self._refs.update(keys)
         self._per_tenant[tenant] += len(keys)
+        for k in keys:
+            self._holders.setdefault(k, Counter())[(tenant, task_id)] += 1
 
-    def _release(self, tenant: str, keys: Sequence[Hashable]) -> list[Hashable]:
+    def _release(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> list[Hashable]:
         self._per_tenant[tenant] -= len(keys)
         if self._per_tenant[tenant] <= 0:
             del self._per_tenant[tenant]
         freed = []
         refs = self._refs
+        who = (tenant, task_id)
         for k in keys:
+            holders = self._holders[k]
+            holders[who] -= 1
+            if holders[who] <= 0:
+                del holders[who]
+                if not holders:
+                    del self._holders[k]
             n = refs[k] - 1
             if n < 0:
                 raise AssertionError(f"reference count of {k!r} below zero")   # a ledger bug

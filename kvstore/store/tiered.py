@@ -91,6 +91,7 @@ class TieredStore:
         self.leases = Leases(clock)
         self.journal = sessions or SessionJournal(None)
         self.sessions = self.journal.ledger    # agent tasks: the blocks they hold are kept like pins
+        self.sessions.clock = clock
         self.protected = Protected(self.leases, self.sessions)
         self.stats = StoreStats()
         for n in names:
@@ -333,8 +334,8 @@ class TieredStore:
         for key, spec in done.landed.items():
             self._remember_ns(key, spec.namespace)
             self._gone.pop(key, None)
-        for key in done.left:
-            self._forget(key, MissReason.EVICTED)
+        for key in done.left:       # a paused task's block dropped past its hold: ttl_expired
+            self._forget(key, MissReason.TTL_EXPIRED if self.sessions.expired(key) else MissReason.EVICTED)
         return done
 
     def _remember_ns(self, key: BlockKey, namespace: bytes) -> None:

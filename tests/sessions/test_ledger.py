@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore.errors import CorruptRecord
 from kvstore.sessions import SessionError, SessionJournal, SessionLedger, TaskNotFound
+from kvstore.sessions.ledger import hold_s
 
 A, B = "teamA", "teamB"
 
@@ -33,8 +35,10 @@ def check_invariants(ledger: SessionLedger) -> None:
     want = model_refs(ledger)
     assert all(ledger.refcount(k) == n for k, n in want.items())
     assert ledger.held_keys() == len(want)                 # nothing held that no task holds
-    for t in ledger.live():
-        assert all(k in ledger for k in t.keys())          # a live task's block is never evictable
+    now = ledger.clock()
+    for t in ledger.live():                                # a live task's block is never evictable ...
+        if t.state == "running" or now < t.hold_until:     # ... while it runs, or within its pause's hold
+            assert all(k in ledger for k in t.keys())
 
 
 def test_a_retried_step_stores_no_second_reference():
@@ -174,7 +178,7 @@ def test_the_journal_replays_to_the_same_ledger(tmp_path):
     j.call("append", A, "c", step="s0", keys=[key(4)])
     j.call("begin", B, "p")
     j.call("append", B, "p", step="s0", keys=[key(5)])
-    j.call("pause", B, "p", now=10.0, tool_s=2.5)
+    j.call("pause", B, "p", now=time.monotonic(), tool_s=2.5)
     j.call("begin", A, "gone")
     j.call("end", A, "gone")
     with pytest.raises(SessionError):
@@ -234,3 +238,29 @@ def test_every_acknowledged_call_survives_sigkill(tmp_path):
     steps = [s.step for s in j.ledger.task(A, "t").steps]
     assert len(steps) >= acked + 1 and steps[:acked + 1] == [f"s{i}" for i in range(acked + 1)]
     j.close()
+
+
+def test_a_paused_tasks_hold_lasts_twice_the_tool_time_plus_grace_then_a_call_renews_it():
+    now = [1000.0]
+    led = SessionLedger(clock=lambda: now[0])
+    led.begin(A, "t")
+    led.append(A, "t", "s0", [key(1)])
+    led.pause(A, "t", now[0], 5.0)
+    now[0] += hold_s(5.0) - 0.1
+    assert key(1) in led and not led.expired(key(1))
+    now[0] += 0.2                                           # past 2 x 5 s + 10 s
+    assert key(1) not in led and led.expired(key(1))
+    led.append(A, "t", "s1", [key(2)])                      # the tool came back: held again
+    assert key(1) in led and not led.expired(key(1))
+
+
+def test_a_journalled_pause_from_another_boot_is_bounded_on_open(tmp_path):
+    path = tmp_path / "sessions.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")
+    j.call("append", A, "t", step="s0", keys=[key(1)])
+    j.call("pause", A, "t", now=1e12, tool_s=1.0)          # a monotonic clock far ahead of this one
+    j.close()
+    again = SessionJournal(path)
+    assert again.ledger.task(A, "t").hold_until <= time.monotonic() + hold_s(1.0)
+    again.close()

@@ -93,3 +93,26 @@ def test_a_task_resumes_from_its_journal_after_a_restart(tmp_path):
         assert t.rollback("before-tool") == 1                         # keys[2] goes cold
         with pytest.raises(TaskNotFound):
             s.task_session("agent", tenant="b").resume()              # not another tenant's
+
+
+def test_a_paused_task_past_its_hold_loses_blocks_with_reason_ttl_expired():
+    from kvstore.outcomes import MissReason
+    from kvstore.sessions.ledger import hold_s
+    now = [100.0]
+    s = KVStore(lambda: TieredStore([DramTier(DramConfig(capacity_bytes=4 * BB, page_bytes=BB, pinned="no"))],
+                                    clock=lambda: now[0]))
+    try:
+        task = block_keys(ID, range(16 * 2))
+        s.put(ID, task, blocks(2))
+        t = s.task_session("agent").begin()
+        t.append("call-1", task)
+        t.pause(5.0)
+        s.put(ID, block_keys(ID, range(7000, 7000 + 32)), blocks(2, seed=50))
+        s.put(ID, block_keys(ID, range(8000, 8000 + 32)), blocks(2, seed=60))   # full: the task's kept
+        assert s.lookup(task).prefix_blocks == 2
+        now[0] += hold_s(5.0) + 1                                                 # the tool never came back
+        s.put(ID, block_keys(ID, range(9000, 9000 + 64)), blocks(4, seed=70))
+        res = s.lookup(task)
+        assert res.prefix_blocks == 0 and res.reasons[0] is MissReason.TTL_EXPIRED
+    finally:
+        s.close()
