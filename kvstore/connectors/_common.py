@@ -353,6 +353,12 @@ class TaskHint:
     rollback: str | None = None
     end: bool = False
 
+    @property
+    def followup(self) -> float | None:
+        """The session as the placement's hint: a task that pauses for a tool
+        will send its context again, one that ends will not."""
+        return 0.0 if self.end else 1.0 if self.tool_s is not None else None
+
 
 def request_task(params: Mapping[str, Any] | None, guard: StoreGuard) -> TaskHint | None:
     """The task hint in a request's params; a bad one is logged once and ignored."""

@@ -259,6 +259,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.requests[request.request_id] = st
             if st.task is not None:
                 task_before(self.store, st.task, self.guard)
+                if st.followup is None:       # the task says whether its context comes back
+                    st.followup = st.task.followup
         return st
 
     def _keys(self, st: _ReqState, upto_blocks: int) -> list[list[BlockKey]]:

@@ -123,6 +123,7 @@ def test_a_task_hint_drives_the_session_and_bad_ones_are_ignored_once(caplog, tm
     guard = StoreGuard("t")
     good = request_task({TASK_PARAM: {"id": "job", "step": 1, "tool_s": 3, "checkpoint": "c1"}}, guard)
     assert good is not None and (good.id, good.step, good.tool_s, good.checkpoint) == ("job", "1", 3.0, "c1")
+    assert good.followup == 1.0                                  # a tool pause: the context comes back
     with caplog.at_level(logging.WARNING):
         for bad in ({"step": 1}, {"id": "x"}, {"id": 5, "step": 1}, {"id": "x", "step": 1, "tool_s": "3"},
                     {"id": "x", "step": 1, "nope": 1}, {"id": "x\n", "step": 1}, "job",
@@ -139,6 +140,7 @@ def test_a_task_hint_drives_the_session_and_bad_ones_are_ignored_once(caplog, tm
         ledger = store.store.sessions
         assert ledger.task("default", "job").state == "paused" and ledger.refcount(keys[0]) == 1
         child = request_task({TASK_PARAM: {"id": "sub", "parent": "job", "step": 0, "end": True}}, guard)
+        assert child is not None and child.followup == 0.0      # an ending task's context does not
         task_before(store, child, guard)
         assert ledger.refcount(keys[0]) == 2                     # the fork shares by reference
         task_after(store, child, [], guard)
