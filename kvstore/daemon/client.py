@@ -55,7 +55,15 @@ from kvstore.daemon.protocol import (
     unpack_meta,
 )
 from kvstore.daemon.shm import is_sealed, populated_mmap, recv_exact_with_fds, unmap
-from kvstore.errors import AuthFailed, ConfigError, InvalidBlock, KVStoreError, ProtocolError, TierUnavailable
+from kvstore.errors import (
+    AuthFailed,
+    ConfigError,
+    InvalidBlock,
+    InvalidKey,
+    KVStoreError,
+    ProtocolError,
+    TierUnavailable,
+)
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import MissReason, PutOutcome
@@ -251,10 +259,12 @@ class RemoteStore:
         for c in idle:
             c.close()
 
-    def _with_conn(self, fn: Callable[[_Connection], T]) -> T:
+    def _with_conn(self, fn: Callable[[_Connection], T], *, retry: bool = True) -> T:
         """Run ``fn`` on a pooled connection. A dead pooled connection (the
         daemon restarted) is retried once on a fresh one: every request is
-        idempotent. Anything else unreachable becomes TierUnavailable."""
+        idempotent but the session calls (``retry=False``: an ``end``
+        applied before the connection dropped must not be sent again).
+        Anything else unreachable becomes TierUnavailable."""
         for attempt in (0, 1):
             conn, reused = self._acquire()
             try:
@@ -268,7 +278,7 @@ class RemoteStore:
             except OSError as exc:  # ConnectionError, socket.timeout, ...
                 conn.close()
                 self._drop_idle()
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                if retry and reused and attempt == 0 and not isinstance(exc, TimeoutError):
                     continue
                 raise TierUnavailable(f"kvstore daemon at {self.config.url}: {exc}") from exc
             except BaseException:
@@ -441,7 +451,10 @@ class RemoteStore:
             meta = {"call": op, "task": task, **{k: v for k, v in args.items() if v is not None}}
             if "keys" in meta:
                 meta["keys"] = [check_key(k) for k in meta["keys"]]
-            return self._with_conn(_request(Op.SESSION, meta))["result"]
+                if len(meta["keys"]) > MAX_KEYS:
+                    raise InvalidKey(f"a session step holds at most {MAX_KEYS} keys over the daemon, "
+                                     f"got {len(meta['keys'])}: split it into steps")
+            return self._with_conn(_request(Op.SESSION, meta), retry=False)["result"]
         return TaskSession(call, task_id)
 
     def report_engine(self, hbm_tokens: int) -> int:

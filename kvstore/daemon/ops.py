@@ -45,6 +45,7 @@ Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
 MAX_ENGINES_PER_TENANT = 16   # engines one tenant may report (see _engine)
 MAX_TASKS_PER_TENANT = 4096   # live agent tasks (see _session)
+MAX_STEPS_PER_TENANT = 1 << 16   # steps of them: memory and journal are bounded too
 _SESSION_ARGS: dict[str, type | tuple[type, ...]] = {
     "step": str, "idem": str, "child": str, "name": str, "tool_s": (int, float)}
 _RECONCILE_SLICE = 4096
@@ -69,6 +70,7 @@ class Handlers:
         # held blocks are never evicted: bound what one tenant's tasks may hold
         self.store.sessions.max_tasks = MAX_TASKS_PER_TENANT
         self.store.sessions.max_refs = self.limits.max_pins_per_tenant
+        self.store.sessions.max_steps = MAX_STEPS_PER_TENANT
 
     async def handle(self, conn: Conn, op: Op, meta: dict, payload: memoryview) -> Reply:
         if op is Op.HELLO:

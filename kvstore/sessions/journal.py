@@ -20,13 +20,14 @@ import os
 import zlib
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from kvstore.errors import CorruptRecord
+from kvstore.errors import CorruptRecord, KVStoreError, TierUnavailable
 from kvstore.keys import check_key
-from kvstore.sessions.ledger import CALLS, SessionError, SessionLedger, apply, hold_s
+from kvstore.sessions.ledger import CALLS, SessionLedger, apply, hold_s
 
 OPS = CALLS
+COMPACT_SLACK_BYTES = 4 << 20   # history since the last compaction that may pass the live state's size
 
 
 def _line(record: dict) -> bytes:
@@ -55,14 +56,24 @@ class SessionJournal:
         self.sync = sync
         self.ledger = ledger if ledger is not None else SessionLedger()
         self.dropped_tail = 0
-        self._fh = None
+        self._fh: BinaryIO | None = None
+        self._broken: str | None = None       # why writes stopped (a failed write or fsync)
+        self._compacted = self._written = 0   # bytes: the file after the last compaction, since
         self.path = None if path is None else Path(path)
         if self.path is None:
             return
         if self.path.exists():
             self._replay()
             self._bound_holds()
-        self._compact()
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """Compact, then append to the compacted file."""
+        assert self.path is not None
+        if self._fh is not None:
+            self._fh.close()
+        self._compacted = self._compact()
+        self._written = 0
         self._fh = open(self.path, "ab")
 
     def close(self) -> None:
@@ -73,37 +84,60 @@ class SessionJournal:
     # -- the calls (journalled, then applied) --------------------------------
     def call(self, op: str, tenant: str, task: str, **args: Any) -> int | bool | None:
         """Apply ``op`` to the ledger (validating it), then journal it (when
-        there is a file). A call the ledger refuses is not journalled."""
+        there is a file). A call the ledger refuses is not journalled. A
+        write or fsync that fails stops the journal: this call and every
+        later one raise TierUnavailable (the ledger may hold what the disk
+        does not; a restart replays the disk, and nothing unacknowledged
+        was promised)."""
+        if self._broken is not None:
+            raise TierUnavailable(f"session journal: {self._broken}; restart the store")
+        if "keys" in args:
+            args = {**args, "keys": [check_key(k) for k in args["keys"]]}
         result = apply(self.ledger, op, tenant, task, args)
         if self._fh is not None and not (op == "append" and result is False):   # a retry: nothing new
-            self._write({"op": op, "tenant": tenant, "task": task, **_encode(args)})
+            try:
+                self._write({"op": op, "tenant": tenant, "task": task, **_encode(args)})
+            except OSError as exc:
+                self._broken = f"write failed ({exc})"
+                raise TierUnavailable(f"session journal: {self._broken}; restart the store") from exc
         return result
 
     def _write(self, record: dict) -> None:
         assert self._fh is not None
-        self._fh.write(_line(record))
+        line = _line(record)
+        self._fh.write(line)
         self._fh.flush()
         if self.sync:
             os.fsync(self._fh.fileno())
+        self._written += len(line)
+        if self._written > max(self._compacted, COMPACT_SLACK_BYTES):
+            self._reopen()      # the history outgrew the live state: rewrite it (amortized O(1))
 
     # -- open: replay, then compact ---------------------------------------------
     def _replay(self) -> None:
+        """Apply every record, streaming; a bad last line is a torn tail."""
         assert self.path is not None
-        lines = self.path.read_bytes().split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
-        for i, raw in enumerate(lines):
-            rec = _parse(raw)
-            if rec is None:
-                if i == len(lines) - 1:        # a torn tail: the call was never acknowledged
-                    self.dropped_tail = 1
-                    break
-                raise CorruptRecord(f"{self.path}: record {i + 1} is damaged")
+        with open(self.path, "rb") as fh:
+            pending: tuple[int, bytes] | None = None
+            for i, raw in enumerate(fh, 1):
+                if pending is not None:
+                    self._apply_line(*pending, last=False)
+                pending = (i, raw)
+            if pending is not None:
+                self._apply_line(*pending, last=True)
+
+    def _apply_line(self, i: int, raw: bytes, *, last: bool) -> None:
+        rec = _parse(raw)
+        if rec is None:
+            if last:                           # a torn tail: the call was never acknowledged
+                self.dropped_tail = 1
+                return
+            raise CorruptRecord(f"{self.path}: record {i} is damaged")
+        try:
             args = _decode({k: v for k, v in rec.items() if k not in ("op", "tenant", "task")})
-            try:
-                apply(self.ledger, rec["op"], rec["tenant"], rec["task"], args)
-            except (SessionError, KeyError, TypeError) as exc:
-                raise CorruptRecord(f"{self.path}: record {i + 1} does not apply ({exc})") from None
+            apply(self.ledger, rec["op"], rec["tenant"], rec["task"], args)
+        except (KVStoreError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(f"{self.path}: record {i} does not apply ({exc})"[:500]) from None
 
     def _bound_holds(self) -> None:
         """A pause journalled before a reboot was timed by another boot's
@@ -113,10 +147,13 @@ class SessionJournal:
             if task.state == "paused":
                 task.hold_until = min(task.hold_until, now + hold_s(task.tool_s))
 
-    def _compact(self) -> None:
+    def _compact(self) -> int:
+        """Rewrite the live state alone (tmp file, fsync, rename, fsync the
+        folder); returns its size. Mode 0600: it names every tenant's tasks."""
         assert self.path is not None
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
             for task in self.ledger.live():
                 fh.write(_line({"op": "begin", "tenant": task.tenant, "task": task.task_id,
                                 "parent": task.parent}))
@@ -136,12 +173,15 @@ class SessionJournal:
                                     "now": task.paused_at, "tool_s": task.tool_s}))
             fh.flush()
             os.fsync(fh.fileno())
+            size = fh.tell()
+        os.chmod(tmp, 0o600)                    # an older tmp may have had another mode
         os.replace(tmp, self.path)
         dfd = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        return size
 
 
 def _encode(args: dict) -> dict:

@@ -48,6 +48,7 @@ def hold_s(expected_tool_s: float) -> float:
     return HOLD_FACTOR * expected_tool_s + HOLD_GRACE_S
 
 
+FORK_STEP = "fork"          # the name of a child's first step, the blocks it inherits
 CALLS = ("begin", "append", "fork", "join", "checkpoint", "rollback", "pause", "resume", "end")
 
 
@@ -80,13 +81,11 @@ class Task:
     paused_at: float = 0.0
     tool_s: float = 0.0
 
+    idems: set[str] = field(default_factory=set)   # of its steps: a retry is O(1)
+
     def keys(self) -> Iterable[Hashable]:
         for s in self.steps:
             yield from s.keys
-
-    @property
-    def idems(self) -> set[str]:
-        return {s.idem for s in self.steps}
 
 
 def check_task_id(task_id: object) -> str:
@@ -97,13 +96,18 @@ def check_task_id(task_id: object) -> str:
 
 
 class SessionLedger:
-    """Live tasks and the references they hold, per tenant. ``max_tasks`` and
-    ``max_refs`` bound what one tenant may hold (a daemon sets them: held
-    blocks are never evicted, so an unbounded tenant could keep the whole
-    cache for itself); ``None`` is no bound."""
+    """Live tasks and the references they hold, per tenant. ``max_tasks``,
+    ``max_refs`` and ``max_steps`` bound what one tenant may hold (a daemon
+    sets them: held blocks are never evicted, so an unbounded tenant could
+    keep the whole cache for itself, and steps cost memory and journal);
+    ``None`` is no bound. A refused call changes nothing: every check runs
+    before the first change."""
 
     def __init__(self, *, max_tasks: int | None = None, max_refs: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_steps: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_steps = max_steps
+        self._tasks_of: Counter = Counter()     # tenant -> live tasks
+        self._steps_of: Counter = Counter()     # tenant -> steps of its live tasks
         self._tasks: dict[tuple[str, str], Task] = {}
         self._refs: Counter = Counter()     # block key -> references held by live tasks
         self._holders: dict[Hashable, Counter] = {}   # block key -> (tenant, task) -> references
@@ -154,11 +158,13 @@ class SessionLedger:
         key = (tenant, check_task_id(task_id))
         if key in self._tasks:
             return self._tasks[key]
-        if self.max_tasks is not None and sum(t == tenant for t, _ in self._tasks) >= self.max_tasks:
-            raise SessionError(f"{self.max_tasks} tasks are live for this tenant, its limit: end some")
+        if parent is not None and (parent == task_id or (tenant, check_task_id(parent)) not in self._tasks):
+            raise SessionError("a child task's parent must be another live task (fork it)")
+        self._check_room(tenant, tasks=1)
         task = Task(tenant, task_id, parent)
         self._tasks[key] = task
-        if parent is not None and (tenant, parent) in self._tasks:
+        self._tasks_of[tenant] += 1
+        if parent is not None:
             self._tasks[(tenant, parent)].children.add(task_id)
         return task
 
@@ -181,28 +187,27 @@ class SessionLedger:
         idem = check_task_id(idem if idem is not None else step)
         if idem in task.idems:
             return False             # a retry changes nothing, not even the task's state
-        self._running(tenant, task_id)
+        new = Step(check_task_id(step), idem, tuple(keys))
         if len(task.steps) >= MAX_STEPS:
             raise SessionError(f"task {task_id[:32]!r} has {MAX_STEPS} steps: end it or roll back")
-        new = Step(check_task_id(step), idem, tuple(keys))
-        self._hold(tenant, task_id, new.keys)
-        task.steps.append(new)
+        self._check_room(tenant, refs=len(new.keys), steps=1)
+        self._wake(task)
+        self._add_step(task, new)
         return True
 
     def fork(self, tenant: str, task_id: str, child_id: str) -> Task:
         """A child sharing every block the parent holds now, by reference."""
-        parent = self._running(tenant, task_id)
+        parent = self.task(tenant, task_id)
         existing = self._tasks.get((tenant, check_task_id(child_id)))
         if existing is not None:
             if existing.parent == task_id:
                 return existing          # a retried fork
             raise SessionError(f"task {child_id[:32]!r} exists")
         inherited = tuple(parent.keys())
-        if self.max_refs is not None and self._per_tenant[tenant] + len(inherited) > self.max_refs:
-            raise SessionError(f"a fork would hold more than {self.max_refs} block references, the limit")
+        self._check_room(tenant, tasks=1, refs=len(inherited), steps=1)
+        self._wake(parent)
         child = self.begin(tenant, child_id, parent=task_id)
-        child.steps.append(Step(f"fork:{task_id}", f"fork:{task_id}", inherited))
-        self._hold(tenant, child_id, inherited)
+        self._add_step(child, Step(FORK_STEP, FORK_STEP, inherited))
         return child
 
     def join(self, tenant: str, task_id: str, child_id: str) -> None:
@@ -232,6 +237,8 @@ class SessionLedger:
         keep = task.checkpoints[name]
         dropped = task.steps[keep:]
         del task.steps[keep:]
+        task.idems.difference_update(s.idem for s in dropped)
+        self._steps_of[tenant] -= len(dropped)
         task.checkpoints = {n: i for n, i in task.checkpoints.items() if i <= keep}
         return self._release(tenant, task_id, [k for s in dropped for k in s.keys])
 
@@ -239,7 +246,7 @@ class SessionLedger:
         if not isinstance(expected_tool_s, (int, float)) or isinstance(expected_tool_s, bool) \
                 or not 0.0 <= expected_tool_s < 1e7:
             raise SessionError(f"expected_tool_s must be seconds in [0, 1e7), got {expected_tool_s!r}")
-        task = self._running(tenant, task_id)
+        task = self.task(tenant, task_id)
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
         task.hold_until = now + hold_s(float(expected_tool_s))
         task.paused_at, task.tool_s = now, float(expected_tool_s)
@@ -252,31 +259,46 @@ class SessionLedger:
     def end(self, tenant: str, task_id: str) -> list[Hashable]:
         """The task and every live descendant end; their references go.
         Returns the keys no live task holds any more (cold now)."""
-        task = self.task(tenant, task_id)
+        root = self.task(tenant, task_id)
+        tree, todo = [], [root]          # the subtree, walked without recursion (forks nest deep)
+        while todo:
+            t = todo.pop()
+            tree.append(t)
+            todo += [self._tasks[(tenant, c)] for c in sorted(t.children) if (tenant, c) in self._tasks]
         freed: list[Hashable] = []
-        for child in sorted(task.children):
-            if (tenant, child) in self._tasks:
-                freed += self.end(tenant, child)
-        del self._tasks[(tenant, task_id)]
-        if task.parent is not None and (tenant, task.parent) in self._tasks:
-            self._tasks[(tenant, task.parent)].children.discard(task_id)
-        return freed + self._release(tenant, task_id, list(task.keys()))
+        for t in reversed(tree):         # children before their parents
+            del self._tasks[(tenant, t.task_id)]
+            self._tasks_of[tenant] -= 1
+            self._steps_of[tenant] -= len(t.steps)
+            freed += self._release(tenant, t.task_id, list(t.keys()))
+        if root.parent is not None and (tenant, root.parent) in self._tasks:
+            self._tasks[(tenant, root.parent)].children.discard(task_id)
+        return freed
 
     # -- internals -------------------------------------------------------------
-    def _running(self, tenant: str, task_id: str) -> Task:
-        task = self.task(tenant, task_id)
+    @staticmethod
+    def _wake(task: Task) -> None:
         if task.state == "paused":      # a call arriving means the tool came back
             task.state, task.resume_at, task.hold_until = "running", None, math.inf
-        return task
 
-    def _hold(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> None:
-        if self.max_refs is not None and self._per_tenant[tenant] + len(keys) > self.max_refs:
-            raise SessionError(f"this tenant's tasks would hold more than {self.max_refs} block "
-                               "references, the limit: end or roll back some")
-        self._refs.update(keys)
-        self._per_tenant[tenant] += len(keys)
-        for k in keys:
-            self._holders.setdefault(k, Counter())[(tenant, task_id)] += 1
+    def _check_room(self, tenant: str, *, tasks: int = 0, refs: int = 0, steps: int = 0) -> None:
+        """Raise before any change when the call would pass a tenant bound."""
+        for bound, have, more, what in ((self.max_tasks, self._tasks_of, tasks, "live tasks"),
+                                        (self.max_refs, self._per_tenant, refs, "block references"),
+                                        (self.max_steps, self._steps_of, steps, "steps")):
+            if more and bound is not None and have[tenant] + more > bound:
+                raise SessionError(f"this tenant's tasks would hold more than {bound} {what}, "
+                                   "the limit: end or roll back some")
+
+    def _add_step(self, task: Task, step: Step) -> None:
+        tenant = task.tenant
+        task.steps.append(step)
+        task.idems.add(step.idem)
+        self._steps_of[tenant] += 1
+        self._refs.update(step.keys)
+        self._per_tenant[tenant] += len(step.keys)
+        for k in step.keys:
+            self._holders.setdefault(k, Counter())[(tenant, task.task_id)] += 1
 
     def _release(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> list[Hashable]:
         self._per_tenant[tenant] -= len(keys)
@@ -308,7 +330,7 @@ class SessionLedger:
 
     def tenant_stats(self, tenant: str) -> dict:
         """One tenant's live tasks and the block references they hold."""
-        return {"tasks": sum(t == tenant for t, _ in self._tasks), "references": self._per_tenant.get(tenant, 0)}
+        return {"tasks": self._tasks_of.get(tenant, 0), "references": self._per_tenant.get(tenant, 0)}
 
 
 def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) -> int | bool | None:

@@ -80,13 +80,19 @@ async def build_store(cfg: Config) -> TieredStore:
     tiers = await build_tiers(cfg)
     try:
         journal = None
-        if cfg.store.nvme is not None:      # session records persist beside the NVMe segments
+        nvme = cfg.store.nvme
+        if nvme is not None and not nvme.read_only:   # session records persist beside the segments
             from pathlib import Path  # noqa: PLC0415
 
             from kvstore.sessions.journal import SessionJournal  # noqa: PLC0415
-            journal = SessionJournal(Path(cfg.store.nvme.path) / "sessions.journal")
-        return TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
-                           max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
+            journal = SessionJournal(Path(nvme.path) / "sessions.journal")
+        try:
+            return TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
+                               max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
+        except BaseException:
+            if journal is not None:
+                journal.close()
+            raise
     except BaseException:       # the tiers hold files and locks: let them go
         for tier in tiers:
             await tier.close()

@@ -264,3 +264,127 @@ def test_a_journalled_pause_from_another_boot_is_bounded_on_open(tmp_path):
     again = SessionJournal(path)
     assert again.ledger.task(A, "t").hold_until <= time.monotonic() + hold_s(1.0)
     again.close()
+
+
+# -- regressions from the attack review -----------------------------------------------
+def test_a_child_of_a_128_character_parent_survives_two_reopens(tmp_path):
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    parent = "p" * 128
+    j.call("begin", A, parent)
+    j.call("append", A, parent, step="s0", keys=[key(1)])
+    j.call("fork", A, parent, child="c")
+    j.close()
+    for _ in range(3):                                       # each open compacts what the last wrote
+        j = SessionJournal(path)
+        assert j.ledger.task(A, "c").parent == parent and j.ledger.refcount(key(1)) == 2
+        j.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_the_compacted_journal_replays_to_the_live_ledger(tmp_path_factory, ops):
+    path = tmp_path_factory.mktemp("j") / "s.journal"
+    j = SessionJournal(path, sync=False)
+    for n, (op, a, b, ks) in enumerate(ops):
+        ta, tb = f"t{a}", f"t{b}"
+        args = {"append": {"step": f"s{n}", "keys": [key(k) for k in ks]},
+                "retry": {"step": "r", "keys": [key(k) for k in ks], "idem": f"s{n - 1}"},
+                "fork": {"child": tb}, "join": {"child": tb}, "checkpoint": {"name": f"c{b}"},
+                "rollback": {"name": f"c{b}"}}.get(op, {})
+        try:
+            j.call("append" if op == "retry" else op, A, ta, **args)
+        except SessionError:
+            pass
+    live = _state(j.ledger)
+    j.close()
+    for _ in range(2):
+        j = SessionJournal(path, sync=False)
+        assert _state(j.ledger) == live
+        check_invariants(j.ledger)
+        j.close()
+
+
+def test_a_failed_journal_write_refuses_this_and_every_later_call(tmp_path):
+    from kvstore.errors import TierUnavailable
+
+    class Full:
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+    j = SessionJournal(tmp_path / "s.journal")
+    j.call("begin", A, "t")
+    j._fh = Full()                                           # the disk fills up
+    with pytest.raises(TierUnavailable):
+        j.call("append", A, "t", step="s0", keys=[key(1)])
+    with pytest.raises(TierUnavailable):                      # the retry is refused too, not "applied"
+        j.call("append", A, "t", step="s0", keys=[key(1)])
+    j = SessionJournal(tmp_path / "s.journal")
+    assert j.ledger.task(A, "t").steps == []                  # nothing was acknowledged
+    j.close()
+
+
+def test_tenant_bounds_refuse_before_changing_anything():
+    led = SessionLedger(max_refs=2, max_steps=3, max_tasks=2)
+    led.begin(A, "t")
+    led.pause(A, "t", 0.0, 100.0)
+    with pytest.raises(SessionError):
+        led.append(A, "t", "s0", [key(1), key(2), key(3)])   # 3 refs > 2
+    assert led.task(A, "t").state == "paused" and led.held_keys() == 0
+    with pytest.raises(SessionError):
+        led.fork(A, "t", "bad\nid")
+    assert led.task(A, "t").state == "paused"
+    for i in range(3):
+        led.append(A, "t", f"e{i}", [])
+    with pytest.raises(SessionError):
+        led.append(A, "t", "e3", [])                          # 4 steps > 3: empty steps count too
+    led.begin(A, "u")
+    with pytest.raises(SessionError):
+        led.begin(A, "v")                                     # 3 tasks > 2
+    led.begin(B, "v")                                         # another tenant's budget is its own
+    with pytest.raises(SessionError):
+        led.begin(A, "orphan", parent="nobody")              # a parent must be a live task
+
+
+def test_a_deep_fork_chain_ends_from_its_root():
+    led = SessionLedger()
+    led.begin(A, "t0")
+    led.append(A, "t0", "s", [key(1)])
+    for i in range(3000):
+        led.fork(A, f"t{i}", f"t{i + 1}")
+    assert led.refcount(key(1)) == 3001
+    assert led.end(A, "t0") == [key(1)] and led.tasks(A) == []
+
+
+def test_bad_keys_are_refused_before_the_ledger_or_the_journal_sees_them(tmp_path):
+    from kvstore.errors import InvalidKey
+    j = SessionJournal(tmp_path / "s.journal")
+    j.call("begin", A, "t")
+    for bad in ([7], [b"short"], ["abcd"]):
+        with pytest.raises(InvalidKey):
+            j.call("append", A, "t", step="s", keys=bad)
+    assert j.ledger.held_keys() == 0
+    j.close()
+    j = SessionJournal(tmp_path / "s.journal")               # and it reopens
+    assert (os.stat(tmp_path / "s.journal").st_mode & 0o777) == 0o600
+    j.close()
+
+
+def test_the_journal_compacts_while_running_when_its_history_outgrows_it(tmp_path, monkeypatch):
+    import kvstore.sessions.journal as journal
+    monkeypatch.setattr(journal, "COMPACT_SLACK_BYTES", 4096)
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path, sync=False)
+    j.call("begin", A, "t")
+    j.call("checkpoint", A, "t", name="c")
+    for i in range(200):                                      # append + rollback: live state stays small
+        j.call("append", A, "t", step=f"s{i}", keys=[key(i)] * 8)
+        j.call("rollback", A, "t", name="c")
+    assert path.stat().st_size < 3 * 4096
+    j.close()
+    assert SessionJournal(path).ledger.task(A, "t").steps == []

@@ -116,3 +116,14 @@ def test_a_paused_task_past_its_hold_loses_blocks_with_reason_ttl_expired():
         assert res.prefix_blocks == 0 and res.reasons[0] is MissReason.TTL_EXPIRED
     finally:
         s.close()
+
+
+def test_a_read_only_store_writes_no_session_journal(tmp_path):
+    from kvstore.store.factory import open_store
+    nvme = {"path": str(tmp_path / "nvme"), "capacity_bytes": 1 << 22}
+    with open_store({"store": {"nvme": nvme}}):
+        pass
+    (tmp_path / "nvme" / "sessions.journal").unlink()
+    with open_store({"store": {"nvme": {**nvme, "read_only": True}}}) as s:
+        s.task_session("t").begin()                         # in memory only
+    assert not (tmp_path / "nvme" / "sessions.journal").exists()
