@@ -16,6 +16,7 @@ so it does not grow with the history of ended tasks.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zlib
 from collections.abc import Hashable, Sequence
@@ -26,6 +27,7 @@ from kvstore.errors import CorruptRecord, KVStoreError, TierUnavailable
 from kvstore.keys import check_key
 from kvstore.sessions.ledger import CALLS, SessionLedger, apply, hold_s
 
+log = logging.getLogger(__name__)
 OPS = CALLS
 COMPACT_SLACK_BYTES = 4 << 20   # history since the last compaction that may pass the live state's size
 
@@ -62,10 +64,14 @@ class SessionJournal:
         self.path = None if path is None else Path(path)
         if self.path is None:
             return
-        if self.path.exists():
-            self._replay()
-            self._bound_holds()
-        self._reopen()
+        try:
+            if self.path.exists():
+                self._replay()
+                self._bound_holds()
+            self._reopen()
+        except OSError as exc:      # a read-only or unreadable folder: the store serves, sessions do not
+            self._broken = f"cannot use {self.path} ({exc.strerror or exc})"
+            log.warning("session journal: %s; session calls answer TierUnavailable", self._broken)
 
     def _reopen(self) -> None:
         """Compact, then append to the compacted file."""

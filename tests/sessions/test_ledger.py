@@ -388,3 +388,25 @@ def test_the_journal_compacts_while_running_when_its_history_outgrows_it(tmp_pat
     assert path.stat().st_size < 3 * 4096
     j.close()
     assert SessionJournal(path).ledger.task(A, "t").steps == []
+
+
+def test_a_read_only_folder_leaves_sessions_unavailable_not_the_store(tmp_path, monkeypatch):
+    """The folder turned read-only (the daemon test does it for real, with
+    CAP_DAC_OVERRIDE dropped): the journal opens, session calls say why."""
+    import kvstore.sessions.journal as journal
+    from kvstore.errors import TierUnavailable
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")
+    j.close()
+    real_open = os.open
+
+    def read_only(p, flags, *a):            # fault injection: writes to the folder are refused
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(p, flags, *a)
+    monkeypatch.setattr(journal.os, "open", read_only)
+    j = SessionJournal(path)                                      # opens: the store can serve
+    with pytest.raises(TierUnavailable, match="Permission denied"):
+        j.call("begin", A, "u")
+    assert j.ledger.tasks(A) == ["t"]                             # what was on disk was read
