@@ -28,7 +28,6 @@ from kvstore.keys import check_key
 from kvstore.sessions.ledger import CALLS, SessionLedger, apply, hold_s
 
 log = logging.getLogger(__name__)
-OPS = CALLS
 COMPACT_SLACK_BYTES = 4 << 20   # history since the last compaction that may pass the live state's size
 
 
@@ -46,7 +45,7 @@ def _parse(raw: bytes) -> dict | None:
         rec = json.loads(body)
     except ValueError:
         return None
-    return rec if isinstance(rec, dict) and rec.get("op") in OPS else None
+    return rec if isinstance(rec, dict) and rec.get("op") in CALLS else None
 
 
 class SessionJournal:
@@ -163,17 +162,18 @@ class SessionJournal:
             for task in self.ledger.live():
                 fh.write(_line({"op": "begin", "tenant": task.tenant, "task": task.task_id,
                                 "parent": task.parent}))
-                marks = sorted(task.checkpoints.items(), key=lambda kv: kv[1])
-                for i, step in enumerate(task.steps):
-                    for name, _ in [m for m in marks if m[1] == i]:
+                marks: dict[int, list[str]] = {}       # steps kept -> checkpoints made there
+                for name, at in task.checkpoints.items():
+                    marks.setdefault(at, []).append(name)
+                for i in range(len(task.steps) + 1):
+                    for name in marks.get(i, ()):
                         fh.write(_line({"op": "checkpoint", "tenant": task.tenant, "task": task.task_id,
                                         "name": name}))
-                    fh.write(_line({"op": "append", "tenant": task.tenant, "task": task.task_id,
-                                    "step": step.step, "idem": step.idem,
-                                    "keys": [bytes(k).hex() for k in step.keys]}))   # type: ignore[call-overload]
-                for name, _ in [m for m in marks if m[1] == len(task.steps)]:
-                    fh.write(_line({"op": "checkpoint", "tenant": task.tenant, "task": task.task_id,
-                                    "name": name}))
+                    if i < len(task.steps):
+                        step = task.steps[i]
+                        fh.write(_line({"op": "append", "tenant": task.tenant, "task": task.task_id,
+                                        "step": step.step, "idem": step.idem,
+                                        "keys": [bytes(k).hex() for k in step.keys]}))   # type: ignore[call-overload]
                 if task.state == "paused":
                     fh.write(_line({"op": "pause", "tenant": task.tenant, "task": task.task_id,
                                     "now": task.paused_at, "tool_s": task.tool_s}))

@@ -253,7 +253,7 @@ class SessionLedger:
 
     def resume(self, tenant: str, task_id: str) -> Task:
         task = self.task(tenant, task_id)
-        task.state, task.resume_at, task.hold_until = "running", None, math.inf
+        self._wake(task)
         return task
 
     def end(self, tenant: str, task_id: str) -> list[Hashable]:
