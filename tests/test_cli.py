@@ -209,6 +209,25 @@ def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
     assert "regime" in r.stdout
 
 
+def test_bench_replay_runs_sessions_side_by_side_the_session_rows_on_the_planner(tmp_path):
+    out = tmp_path / "replay.json"
+    r = kvstore("bench", "replay", "--workload", "agent", "--duration", "30", "--working-set", "60K",
+                "--policy", "lru,regime,belady", "--sessions", "both", "--admission", "on",
+                "--json", str(out), "--nvme-path", str(tmp_path))
+    res = json.loads(out.read_text())
+    assert set(res["policies"]) == {"lru", "lru+sessions+admission", "regime", "regime+sessions+admission",
+                                    "belady"}
+    for name, p in res["policies"].items():
+        assert p["ttft_after_tool_p99_s"] > 0 and 0 < p["cache_creation_share"] <= 1, name
+        if "+sessions" in name:
+            assert "data_plane" not in p and p["sessions"]["admission"]["limit"] >= 1
+        elif name != "belady":
+            assert p["data_plane"]["ok"]
+    assert "after tool p99" in r.stdout
+    bad = kvstore("bench", "replay", "--workload", "agent", "--admission", "on", check=False)
+    assert bad.returncode != 0 and "sessions" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_bench_replay_bad_trace_line_names_the_line(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'

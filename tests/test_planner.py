@@ -146,3 +146,24 @@ def test_bad_planners_are_refused():
     p = planner(1)
     with pytest.raises(KVStoreError):
         p.refused(Move(Kind.DROP, "a", 0))
+
+
+def test_a_kept_block_goes_down_under_pressure_and_never_out_of_the_slowest_tier():
+    """The blocks a live agent task holds (``kept``) may leave a fast tier
+    only by demotion - even under a placement that would drop them - and
+    are never the slowest tier's victim; released, they go like any block."""
+    kept: set = {"a"}
+    tiers = plan_tiers(1, 2)
+    p = Planner(tiers, HbmOnly([t.name for t in tiers]), kept=kept)   # HbmOnly demotes nothing
+    p.put(["a"], 1)
+    assert ops(p.put(["b"], 1).moves) == [("copy", "a", 1, 0), ("drop", "a", 0), ("store", "b", 0)]
+    p2 = planner(1, 1, kept=kept)
+    p2.put(["a"], 1)
+    p2.put(["b"], 1)                                       # a demoted to the slowest tier
+    assert p2.locate("a") == 1
+    plan = p2.put(["c"], 1)                                # b would push a out of tier 1: it cannot
+    assert p2.locate("a") == 1 and plan.status == ["planned"] and p2.locate("b") is None
+    kept.clear()
+    p2.put(["d"], 1)
+    p2.put(["e"], 1)
+    assert p2.locate("a") is None                          # released: an ordinary victim

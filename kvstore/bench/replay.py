@@ -16,6 +16,16 @@ future, so like ``belady`` an upper bound: what perfect application hints
 the trace's own ``followup`` fields when there are any (``hints="trace"``;
 the agent generator writes them) or none (``hints="none"``).
 
+Agent task sessions (``sessions="on"``, or ``"both"`` for each online
+policy with and without, side by side as ``NAME`` and ``NAME+sessions``):
+the trace's task fields drive the store's session ledger through
+:class:`~kvstore.bench.tasks.TaskReplay` (a live task's blocks are demoted,
+never dropped; a paused one's are prefetched back before it resumes), and
+``admission`` adds the AIMD admission of tasks to sessions
+(``NAME+sessions+admission``). Session rows replay on the planner alone
+(the data plane checks the rows without). ``hbm-only`` gets no sessions:
+the engine's own prefix cache is nobody's to hold.
+
 ``oracle_noise`` flips each of the oracle's hints with that probability
 (seeded): hints of a given quality - a binary predictor that errs on a
 share p of requests has AUC 1 - p - so the replay shows how good a
@@ -32,8 +42,10 @@ from typing import Any, Protocol
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
 from kvstore.bench.simulate import PlanReplay, StepResult
+from kvstore.bench.tasks import TaskReplay
 from kvstore.bench.trace import TraceRequest, read_trace
 from kvstore.errors import ConfigError
+from kvstore.policies.admission import AIMDAdmission
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy
 from kvstore.policies.belady import belady_tier_hits
 from kvstore.policies.eviction import make_eviction, tier_orders
@@ -44,6 +56,8 @@ from kvstore.store.planner import Planner, TierPlan
 POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle", "s3fifo")
 DEFAULT_POLICIES = POLICY_NAMES[:5]
 HINT_SOURCES = ("trace", "none")
+SWITCHES = ("off", "on", "both")      # --sessions / --admission
+FIXED_POLICIES = ("hbm-only", "always-offload", "lru", "s3fifo")
 # the share of the lru-to-belady hit-rate gap a policy closes, reported under these keys
 GAP_KEYS = (("regime", "gap_closed"), ("regime-oracle", "gap_closed_oracle_hints"))
 TIER_NAMES = ("hbm", "dram", "nvme", "redis")
@@ -68,6 +82,8 @@ class ReplayConfig:
     windows: int = 50                 # hit-rate-over-time buckets
     oracle_noise: float = 0.0         # regime-oracle: share of its hints flipped (see module doc)
     seed: int = 0                     # for oracle_noise
+    sessions: str = "off"             # agent task sessions: off, on, or both side by side
+    admission: str = "off"            # AIMD admission of tasks to sessions: off, on, or both
 
     def __post_init__(self) -> None:
         if self.hbm_tokens < self.block_tokens:
@@ -78,9 +94,26 @@ class ReplayConfig:
             raise ConfigError(f"oracle_noise must be in [0, 1], got {self.oracle_noise!r}")
         if self.hints not in HINT_SOURCES:
             raise ConfigError(f"hints must be one of {list(HINT_SOURCES)}, got {self.hints!r}")
+        for name in ("sessions", "admission"):
+            if getattr(self, name) not in SWITCHES:
+                raise ConfigError(f"{name} must be one of {list(SWITCHES)}, got {getattr(self, name)!r}")
+        if self.admission != "off" and self.sessions == "off":
+            raise ConfigError("admission admits tasks to sessions: it needs sessions on (or both)")
         bad = [p for p in self.policies if p not in POLICY_NAMES]
         if bad or not self.policies:
             raise ConfigError(f"unknown policies {bad}; choose from {list(POLICY_NAMES)}")
+
+    def variants(self, policy: str) -> list[tuple[str, bool, bool]]:
+        """(report name, sessions, admission) of each way to run ``policy``."""
+        if policy in ("belady", "hbm-only"):
+            return [(policy, False, False)]
+        out = [(policy, False, False)] if self.sessions != "on" else []
+        if self.sessions != "off":
+            if self.admission != "on":
+                out.append((f"{policy}+sessions", True, False))
+            if self.admission != "off":
+                out.append((f"{policy}+sessions+admission", True, True))
+        return out
 
     @property
     def regime_mode(self) -> str:
@@ -169,27 +202,36 @@ class PolicyRun:
     placement_stats: dict = field(default_factory=dict)
     tier_io: dict = field(default_factory=dict)
     data_plane: dict | None = None                            # the data plane's close() summary
+    sessions: dict | None = None                              # the task sessions' stats
 
 
 DataPlaneFactory = Callable[[str, PolicySetup, PlanReplay], "Replayer"]
 
 
 def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig, cost: CostModel,
-               data_plane_factory: DataPlaneFactory | None = None) -> PolicyRun:
+               data_plane_factory: DataPlaneFactory | None = None, *, sessions: bool = False,
+               admission: bool = False) -> PolicyRun:
     """One online policy over ``requests``: on the planner alone, or through
     the replayer ``data_plane_factory(policy, setup, shadow)`` makes (a real
     store: :mod:`kvstore.bench.dataplane`; ``shadow`` is the planner-only
     replay to check it against), whose ``close()`` summary lands in
-    ``PolicyRun.data_plane``."""
+    ``PolicyRun.data_plane``. ``sessions``: with agent task sessions (on
+    the planner alone), ``admission``: and AIMD admission to them."""
     replayer: Replayer
-    if data_plane_factory is None:
+    if data_plane_factory is None or sessions:
         replayer = build_replay(policy, cfg, cost)
     else:
         replayer = data_plane_factory(policy, policy_setup(policy, cfg, cost), build_replay(policy, cfg, cost))
+    tasks = None
+    if sessions:
+        slowest = replayer.planner.tiers[-1].name
+        tasks = TaskReplay(replayer.planner, AIMDAdmission() if admission else None,
+                           worth_keeping=cost.load_beats_recompute(slowest, cfg.block_tokens))
     try:
-        run = _steps(replayer, policy, requests, cfg)
+        run = _steps(replayer, policy, requests, cfg, tasks)
     finally:
         summary = replayer.close()
+    run.sessions = tasks.stats() if tasks is not None else None
     run.placement_stats = replayer.planner.placement.stats()
     run.tier_io = {t.name: {"writes": t.writes, "reads": t.reads, "evictions": t.evictions + t.lost}
                    for t in replayer.planner.tiers}
@@ -214,15 +256,20 @@ class Replayer(Protocol):
 
 
 def _steps(replayer: Replayer, policy: str, requests: Sequence[TraceRequest],
-           cfg: ReplayConfig) -> PolicyRun:
+           cfg: ReplayConfig, tasks: TaskReplay | None = None) -> PolicyRun:
     run = PolicyRun([t.name for t in replayer.planner.tiers])
     nt = len(run.tier_names)
     placement = replayer.planner.placement
     is_regime = policy.startswith("regime")
     hints = followup_hints(requests, policy, cfg)
     for req, hint in zip(requests, hints):
+        now, sealed = req.timestamp_ms / 1000.0, storable(req, cfg)
+        if tasks is not None:
+            tasks.before(req, now)
         replayer.begin_request(req)
-        res = replayer.step(req.hash_ids, req.timestamp_ms / 1000.0, storable(req, cfg), hint)
+        res = replayer.step(req.hash_ids, now, sealed, hint)
+        if tasks is not None:
+            tasks.after(req, req.hash_ids[:sealed], len(res.hit_tiers))
         counts = [0] * nt
         for t in res.hit_tiers:
             counts[t] += 1
@@ -312,6 +359,9 @@ def summarize(run: PolicyRun, requests: Sequence[TraceRequest], cfg: ReplayConfi
     hit_tokens = sum(min(sum(h) * bt, r.input_length) for h, r in zip(run.hits, requests))
     t = ttfts(run, requests, cfg, cost)
     ts = sorted(t)
+    after_tool = sorted(x for x, later in zip(t, _after_a_tool(requests)) if later)
+    created = sum(min(max(0, storable(r, cfg) - sum(h)) * bt, r.input_length)
+                  for h, r in zip(run.hits, requests))
     out = {
         "hit_rate": sum(tier_hits) / blocks,
         "hit_rate_by_tier": {n: h / blocks for n, h in zip(run.tier_names, tier_hits)},
@@ -319,6 +369,10 @@ def summarize(run: PolicyRun, requests: Sequence[TraceRequest], cfg: ReplayConfi
         "recomputed_token_share": 1.0 - hit_tokens / tokens_in,
         "ttft_mean_s": sum(t) / len(t) if t else 0.0,
         "ttft_p50_s": _pct(ts, 0.50), "ttft_p99_s": _pct(ts, 0.99),
+        # the tokens a call writes to the cache for the first time (computed, sealed) per prompt token
+        "cache_creation_share": created / tokens_in,
+        "ttft_after_tool_p50_s": _pct(after_tool, 0.50) if after_tool else None,
+        "ttft_after_tool_p99_s": _pct(after_tool, 0.99) if after_tool else None,
         "bytes_written": {n: (v["writes"] * bt * kvb if v["writes"] is not None else None)
                           for n, v in run.tier_io.items()},
         "bytes_read": {n: v["reads"] * bt * kvb for n, v in run.tier_io.items()},
@@ -327,6 +381,18 @@ def summarize(run: PolicyRun, requests: Sequence[TraceRequest], cfg: ReplayConfi
     }
     out.update(_time_and_task_figures(run, requests, cfg.windows))
     out["_ttft"] = t          # for plots; dropped from the JSON file
+    return out
+
+
+def _after_a_tool(requests: Sequence[TraceRequest]) -> list[bool]:
+    """Per request: whether it is a task's call after its first (it follows a tool call)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for r in requests:
+        who = (r.tenant, r.task_id) if r.task_id is not None else None
+        out.append(who is not None and who in seen)
+        if who is not None:
+            seen.add(who)
     return out
 
 
@@ -348,11 +414,11 @@ def _time_and_task_figures(run: PolicyRun, requests: Sequence[TraceRequest], win
         tn[0] += hit
         tn[1] += n
         if req.task_id is not None:
-            tk = tasks.setdefault(req.extra.get("parent") or req.task_id, [0, 0])
+            tk = tasks.setdefault(req.parent_task_id or req.task_id, [0, 0])
             tk[0] += hit
             tk[1] += n
             steps = int(req.extra.get("steps", 0) or 0)
-            if steps > 0 and "parent" not in req.extra:
+            if steps > 0 and req.parent_task_id is None:
                 p = phase[min(9, int(10 * int(req.extra.get("step", 0)) / steps))]
                 p[0] += hit
                 p[1] += n
@@ -404,31 +470,61 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
     for name in cfg.policies:
         if name == "always-offload" and not cfg.dram_tokens:
             continue
-        if name == "belady":
-            run = run_belady(requests, cfg)
-        else:
-            run = run_online(name, requests, cfg, cost, data_plane_factory=data_plane_factory)
-        policies[name] = summarize(run, requests, cfg, cost)
-        if run.data_plane is not None:
-            policies[name]["data_plane"] = run.data_plane
+        for key, sessions, admission in cfg.variants(name):
+            if name == "belady":
+                run = run_belady(requests, cfg)
+            else:
+                run = run_online(name, requests, cfg, cost, data_plane_factory=data_plane_factory,
+                                 sessions=sessions, admission=admission)
+            policies[key] = summarize(run, requests, cfg, cost)
+            if run.data_plane is not None:
+                policies[key]["data_plane"] = run.data_plane
+            if run.sessions is not None:
+                policies[key]["sessions"] = run.sessions
     result: dict[str, Any] = {"policies": policies, "cost_model": cost.describe(),
               "config": {"tiers_tokens": {n: b * cfg.block_tokens for n, b in cfg.tiers()},
                          "block_tokens": cfg.block_tokens, "regime_eviction": cfg.regime_eviction,
                          "regime_mode": cfg.regime_mode,
                          "thresholds": list(cfg.thresholds) if cfg.thresholds else "auto",
                          "hints": cfg.hints, "oracle_noise": cfg.oracle_noise,
+                         "sessions": cfg.sessions, "admission": cfg.admission,
                          "window_s": cfg.window_s, "requests": len(requests)},
               "command": command}
     for name, key in GAP_KEYS:
         if {"lru", name, "belady"} <= policies.keys():
             lru, reg, bel = (policies[p]["hit_rate"] for p in ("lru", name, "belady"))
             result[key] = (reg - lru) / (bel - lru) if bel > lru else None
+    goals = session_goals(policies)
+    if goals:
+        result["session_goals"] = goals
     if json_out:
         write_json(result, json_out)
     if plots_dir:
         from kvstore.bench.plots import plot_replay
         result["plots"] = plot_replay(result, plots_dir)
     return result
+
+
+def session_goals(policies: dict) -> dict:
+    """The agent-session goals, where the rows to judge them are there:
+    regime+sessions' TTFT after a tool call at p99 at most half of regime's
+    (sessions off), its task hit rate within 2 points of belady's, and its
+    cache-creation share lower than every fixed policy's (sessions off)."""
+    on, off, bel = policies.get("regime+sessions"), policies.get("regime"), policies.get("belady")
+    if on is None or off is None or on["ttft_after_tool_p99_s"] is None:
+        return {}
+    ratio = on["ttft_after_tool_p99_s"] / off["ttft_after_tool_p99_s"] if off["ttft_after_tool_p99_s"] else None
+    goals: dict = {"ttft_after_tool_p99_ratio": ratio,
+                   "ttft_after_tool_p99_met": ratio is not None and ratio <= 0.5}
+    if bel is not None and on["task_hit_rate"] is not None:
+        gap = bel["task_hit_rate"] - on["task_hit_rate"]
+        goals.update(task_hit_rate_gap_to_belady=gap, task_hit_rate_met=gap <= 0.02)
+    fixed = {n: p["cache_creation_share"] for n, p in policies.items() if n in FIXED_POLICIES}
+    if fixed:
+        goals["cache_creation_share"] = on["cache_creation_share"]
+        goals["best_fixed_cache_creation_share"] = min(fixed.values())
+        goals["cache_creation_met"] = on["cache_creation_share"] < min(fixed.values())
+    return goals
 
 
 def write_json(result: dict, path: str | Path) -> None:
@@ -450,17 +546,19 @@ def render_table(result: dict):
     table = Table(title=f"replay: {cfg.get('requests')} requests, tiers "
                         f"{cfg.get('tiers_tokens')} tokens, model {result['cost_model']['model']['name']}")
     dp = any("data_plane" in p for p in result["policies"].values())
-    for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "TTFT mean",
-                "p50", "p99", "trough") + (("data plane",) if dp else ()):
+    for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "created", "TTFT mean",
+                "p50", "p99", "after tool p99", "trough") + (("data plane",) if dp else ()):
         table.add_column(col, justify="left" if col in ("policy", "by tier") else "right")
     def f(v, s="{:.1%}"):
         return "-" if v is None else s.format(v)
     for name, p in result["policies"].items():
         tiers = " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v)
         table.add_row(name, f(p["hit_rate"]), tiers or "-", f(p["task_hit_rate"]),
-                      f(p["recomputed_token_share"]), f(p["ttft_mean_s"], "{:.3f}s"),
+                      f(p["recomputed_token_share"]), f(p["cache_creation_share"]),
+                      f(p["ttft_mean_s"], "{:.3f}s"),
                       f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
-                      f(p["middle_phase_trough"]), *((_dp_cell(p.get("data_plane")),) if dp else ()))
+                      f(p["ttft_after_tool_p99_s"], "{:.3f}s"), f(p["middle_phase_trough"]),
+                      *((_dp_cell(p.get("data_plane")),) if dp else ()))
     noise = cfg.get("oracle_noise") or 0.0
 
     def label(name: str) -> str:

@@ -5,8 +5,12 @@
 the input (512 in Mooncake's releases), chained: equal ids at equal positions
 mean an equal prefix. An optional ``followup`` (bool or probability) is the
 caller's hint that the request's context will be sent again (the agent
-generator writes it: a task that has another step knows it). Extra fields
-(``task_id``, ``tenant``, ``step``, ...) are
+generator writes it: a task that has another step knows it). Agent task
+fields, all optional: ``task_id``, ``parent_task_id`` (a sub-agent's
+parent), ``tool_s`` (seconds of tool time after this call, before the
+task's next one) and ``end`` (true on the task's last call); the replay's
+task sessions (``--sessions on``) read them, and a trace without them
+replays as before. Extra fields (these, ``tenant``, ``step``, ...) are
 kept in :attr:`TraceRequest.extra` and written back unchanged, so a generated
 agent workload round-trips through the same format.
 
@@ -26,6 +30,9 @@ from kvstore.errors import ConfigError, InvalidHint
 from kvstore.policies.base import check_followup
 
 REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
+# Seconds per output token: when a call ends (and its ``tool_s`` starts) is
+# estimated as its timestamp plus its output at this rate (the agent generator decodes at it).
+DECODE_S_PER_TOKEN = 0.02
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -65,6 +72,24 @@ class TraceRequest:
     def task_id(self) -> str | None:
         t = self.extra.get("task_id")
         return None if t is None else str(t)
+
+    @property
+    def parent_task_id(self) -> str | None:
+        t = self.extra.get("parent_task_id")
+        return None if t is None else str(t)
+
+    @property
+    def tool_s(self) -> float | None:
+        v = self.extra.get("tool_s")
+        return None if v is None else float(v)
+
+    def done_s(self, decode_s_per_token: float = DECODE_S_PER_TOKEN) -> float:
+        """When the call is estimated to end: its arrival plus its decode."""
+        return self.timestamp_ms / 1000.0 + self.output_length * decode_s_per_token
+
+    @property
+    def ends_task(self) -> bool:
+        return bool(self.extra.get("end", False))
 
     def to_json(self) -> dict:
         out = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
@@ -106,7 +131,24 @@ def parse_line(text: str, *, source: str = "<trace>", line: int = 1,
         check_followup(extra.get("followup"))
     except InvalidHint as exc:
         raise TraceFormatError(source, line, str(exc)) from None
+    _check_task_fields(extra, source, line)
     return TraceRequest(float(ts), inp, outp, tuple(ids), extra)
+
+
+def _check_task_fields(extra: dict, source: str, line: int) -> None:
+    for name in ("task_id", "parent_task_id"):
+        v = extra.get(name)
+        if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool) or not str(v)
+                              or len(str(v)) > 128):
+            raise TraceFormatError(source, line, f"{name} must be a string of 1-128 characters, got {v!r}")
+    tool = extra.get("tool_s")
+    if tool is not None and (not isinstance(tool, (int, float)) or isinstance(tool, bool)
+                             or not math.isfinite(tool) or not 0 <= tool < 1e7):
+        raise TraceFormatError(source, line, f"tool_s must be seconds in [0, 1e7), got {tool!r}")
+    if not isinstance(extra.get("end", False), bool):
+        raise TraceFormatError(source, line, f"end must be true or false, got {extra['end']!r}")
+    if extra.get("parent_task_id") is not None and extra.get("task_id") is None:
+        raise TraceFormatError(source, line, "parent_task_id without a task_id")
 
 
 def iter_trace(path: str | Path, *, block_tokens: int | None = None,

@@ -18,7 +18,11 @@ id of a request covers its partial block (Mooncake's convention:
 
 Each call carries ``followup``: whether the task (or sub-agent) has another
 step, which an agent framework knows when it issues a tool call - the hint
-:class:`~kvstore.policies.regime.RegimePlacement` can use.
+:class:`~kvstore.policies.regime.RegimePlacement` can use - and the task
+fields the replay's sessions read: ``task_id``, ``parent_task_id`` (a
+sub-agent's), ``tool_s`` (the time from the end of this call's decode to
+the task's next call: the tool, or for a call that forks, the sub-agents'
+run) and ``end`` on a task's last call.
 
 Working-set knob: ``working_set_tokens`` sets how many tasks run at once
 (task slots run tasks back to back), so the sustained working set - shared
@@ -32,7 +36,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-from kvstore.bench.trace import TraceRequest
+from kvstore.bench.trace import DECODE_S_PER_TOKEN, TraceRequest
 from kvstore.errors import ConfigError
 
 
@@ -51,7 +55,7 @@ class AgentWorkloadConfig:
     output_tokens: tuple[int, int] = (50, 400)
     tool_result_tokens: tuple[int, int] = (100, 1_500)
     tool_pause_s: tuple[float, float] = (0.5, 8.0)
-    decode_s_per_token: float = 0.02
+    decode_s_per_token: float = DECODE_S_PER_TOKEN
     fork_prob: float = 0.15
     subagents: tuple[int, int] = (2, 3)
     subagent_steps: tuple[int, int] = (1, 3)
@@ -119,8 +123,23 @@ def generate(config: AgentWorkloadConfig) -> list[TraceRequest]:
             task_id = f"s{slot}t{n}"
             t = _run_task(config, rng, ids, task_id, t, out)
             n += 1
+    _add_tool_times(out, config.decode_s_per_token)
     out.sort(key=lambda r: (r.timestamp_ms, r.extra["task_id"], r.extra["step"]))
     return out
+
+
+def _add_tool_times(calls: list[TraceRequest], decode_s_per_token: float) -> None:
+    """Each call's ``tool_s`` (to its task's next call) and ``end`` (none follows)."""
+    by_task: dict[str, list[TraceRequest]] = {}
+    for r in calls:
+        by_task.setdefault(r.extra["task_id"], []).append(r)
+    for seq in by_task.values():
+        seq.sort(key=lambda r: r.extra["step"])
+        for r, nxt in zip(seq, seq[1:] + [None]):
+            if nxt is None:
+                r.extra["end"] = True
+            else:
+                r.extra["tool_s"] = round(max(0.0, nxt.timestamp_ms / 1000.0 - r.done_s(decode_s_per_token)), 3)
 
 
 def _run_task(c: AgentWorkloadConfig, rng: random.Random, ids: _Ids, task_id: str,
@@ -144,7 +163,7 @@ def _call(c, rng, ids, out, t, ctx, tenant, task_id, step, steps, family, parent
     extra = {"task_id": task_id, "tenant": tenant, "family": family, "step": step,
              "steps": steps, "followup": step + 1 < steps}
     if parent is not None:
-        extra["parent"] = parent
+        extra["parent_task_id"] = parent
     out.append(TraceRequest(round(t * 1000.0, 3), inp, o, tuple(hids), extra))
     ctx.append((f"out:{task_id}:{step}", o))
     ctx.append((f"tool:{task_id}:{step}", rng.randint(*c.tool_result_tokens)))

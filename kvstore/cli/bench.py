@@ -103,6 +103,14 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--oracle-noise", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
               help="regime-oracle: flip this share of its hints (seeded by --seed), to see what "
                    "hints of a given quality buy (a binary hint wrong on a share p has AUC 1 - p).")
+@click.option("--sessions", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="Agent task sessions from the trace's task_id / parent_task_id / tool_s / end fields: "
+                   "a live task's blocks are demoted, never dropped, and prefetched back before it "
+                   "resumes. both: every online policy with (NAME+sessions) and without, side by side. "
+                   "Session rows replay on the planner alone.")
+@click.option("--admission", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="AIMD admission of tasks to sessions (needs --sessions on or both): "
+                   "NAME+sessions+admission rows.")
 @click.option("--data-plane/--no-data-plane", default=True, show_default=True,
               help="Move scaled real bytes through real tiers and verify every hit; off: simulate only.")
 @click.option("--bytes-per-token", default=2, show_default=True, type=click.IntRange(1),
@@ -114,7 +122,8 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
 @workload_options
 def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, thresholds, hints, oracle_noise, data_plane, bytes_per_token, nvme_path, redis_url, json_path,
+           redis_tokens, thresholds, hints, oracle_noise, sessions, admission, data_plane, bytes_per_token, nvme_path,
+           redis_url, json_path,
            plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
            gpu_tflops) -> None:
     """Replay a trace or the agent generator under several policies, side by side."""
@@ -130,8 +139,8 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, thresholds=thresholds,
-                           hints=hints, oracle_noise=oracle_noise, seed=seed,
-                           policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
+                           hints=hints, oracle_noise=oracle_noise, seed=seed, sessions=sessions,
+                           admission=admission, policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
         if redis_url and not data_plane:
             raise click.UsageError("--redis-url needs the data plane (drop --no-data-plane)")
         dpf = None
@@ -143,6 +152,8 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
             res = run_replay(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path,
                              plots_dir=plots_dir, command=_command(), data_plane_factory=dpf)
         console.print(render_table(res))
+        if "session_goals" in res:
+            console.print(f"session goals: {res['session_goals']}")
         console.print(f"cost model: {res['cost_model']}", style="dim")
     except KVStoreError as exc:
         _fail(exc)

@@ -41,11 +41,17 @@ MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
 MAX_CHECKPOINTS = 256       # per task
 HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
+# A paused task's blocks are prefetched back into the fastest tier this long
+# before its tool is expected back: about what moving a 15K-token context off
+# NVMe takes. Earlier, and the fast tier's churn takes them out again first.
+RETURN_LEAD_S = 0.5
 
 
-def hold_s(expected_tool_s: float) -> float:
-    """How long a paused task keeps its blocks held."""
-    return HOLD_FACTOR * expected_tool_s + HOLD_GRACE_S
+def hold_s(expected_tool_s: float, *, worth_keeping: bool = True) -> float:
+    """How long a paused task keeps its blocks held: nothing when reloading
+    them from the slowest tier costs no less than recomputing them (the
+    Continuum rule: a hold only pays for a reload that beats a recompute)."""
+    return HOLD_FACTOR * expected_tool_s + HOLD_GRACE_S if worth_keeping else 0.0
 
 
 FORK_STEP = "fork"          # the name of a child's first step, the blocks it inherits
@@ -148,6 +154,10 @@ class SessionLedger:
             raise TaskNotFound(f"no task {task_id[:32]!r}")
         return t
 
+    def has(self, tenant: str, task_id: str) -> bool:
+        """Whether this tenant has the live task."""
+        return (tenant, task_id) in self._tasks
+
     def tasks(self, tenant: str) -> list[str]:
         """This tenant's live task ids (no one else's)."""
         return sorted(tid for ten, tid in self._tasks if ten == tenant)
@@ -242,13 +252,15 @@ class SessionLedger:
         task.checkpoints = {n: i for n, i in task.checkpoints.items() if i <= keep}
         return self._release(tenant, task_id, [k for s in dropped for k in s.keys])
 
-    def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float) -> None:
+    def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float, *,
+              worth_keeping: bool = True) -> None:
+        """``worth_keeping``: whether a reload beats a recompute (see :func:`hold_s`)."""
         if not isinstance(expected_tool_s, (int, float)) or isinstance(expected_tool_s, bool) \
                 or not 0.0 <= expected_tool_s < 1e7:
             raise SessionError(f"expected_tool_s must be seconds in [0, 1e7), got {expected_tool_s!r}")
         task = self.task(tenant, task_id)
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
-        task.hold_until = now + hold_s(float(expected_tool_s))
+        task.hold_until = now + hold_s(float(expected_tool_s), worth_keeping=worth_keeping)
         task.paused_at, task.tool_s = now, float(expected_tool_s)
 
     def resume(self, tenant: str, task_id: str) -> Task:
@@ -346,7 +358,8 @@ def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) 
     elif call == "rollback":
         return len(ledger.rollback(tenant, task, args.get("name")))  # type: ignore[arg-type]
     elif call == "pause":
-        ledger.pause(tenant, task, float(args.get("now", 0.0)), args.get("tool_s"))  # type: ignore[arg-type]
+        ledger.pause(tenant, task, float(args.get("now", 0.0)), args.get("tool_s"),  # type: ignore[arg-type]
+                     worth_keeping=bool(args.get("worth_keeping", True)))
     elif call == "begin":
         ledger.begin(tenant, task, args.get("parent"))
     elif call == "resume":

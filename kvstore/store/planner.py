@@ -32,6 +32,11 @@ Protection. ``protected`` (the store's pins and in-flight transfers) is
 never chosen as a victim; neither are the blocks of the hit batch being
 planned (they are being read). The blocks of a put batch are not: a batch
 larger than a tier demotes its own first blocks, as puts one by one would.
+``kept`` (the blocks live agent tasks hold) is weaker: such a block may
+leave a tier for pressure, but only down - it is demoted to the next tier
+with room whatever the placement says - and it is never chosen as a victim
+in the slowest tier, where leaving would lose it. So a paused task's
+context moves down as the fast tiers are needed, instead of pinning them.
 
 Rejected: a second cascade in the replay over the same policy objects (it
 already differed from the store: with nothing evictable the store fell
@@ -132,9 +137,11 @@ class _Either(Generic[K]):
 
 class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
-                 protected: Container[K] = frozenset(), durable: int | None = None) -> None:
+                 protected: Container[K] = frozenset(), kept: Container[K] = frozenset(),
+                 durable: int | None = None) -> None:
         """``durable``: a persistent tier every put also writes to, with no
-        fall-through below it (the store's ``durable_tier``)."""
+        fall-through below it (the store's ``durable_tier``). ``kept``: see
+        the module doc."""
         if not tiers:
             raise KVStoreError("a planner needs at least one tier")
         if durable is not None and not (0 <= durable < len(tiers) and tiers[durable].persistent):
@@ -142,6 +149,7 @@ class Planner(Generic[K]):
         self.tiers = list(tiers)
         self.placement = placement
         self.protected = protected
+        self.kept = kept
         self.durable = durable
         self._held: dict[K, tuple[int, int]] = {}    # key -> (tier bitmask, nbytes)
         self._moves: list[Move[K]] = []                    # the plan being made
@@ -247,7 +255,8 @@ class Planner(Generic[K]):
     def prefetch(self, keys: Sequence[K], to: int, keep: Container[K] = frozenset()) -> list[Move[K]]:
         """Copy each key held below tier ``to`` up into it (or as far up as
         room allows), never evicting a key in ``keep`` (a promotion ahead of
-        a load keeps the rest of that request's prefix where it is)."""
+        a load keeps the rest of that request's prefix where it is). A key
+        ``to`` holds already is touched: it is about to be read too."""
         self._moves = []
         self._guard = _Either(self.protected, keep)
         try:
@@ -255,6 +264,8 @@ class Planner(Generic[K]):
                 src = self.locate(key)
                 if src is not None and src > to:
                     self._place(key, to, src - 1, src=src, cause=Cause.PREFETCH)
+                elif src == to:
+                    self.tiers[to].order.touch(key)
         finally:
             self._guard = self.protected
         return self._take()
@@ -318,7 +329,7 @@ class Planner(Generic[K]):
         """Evict up to ``n`` blocks from tier ``t``; how many went."""
         done = 0
         while done < n:
-            victims = self.tiers[t].order.evict(1, self._guard)
+            victims = self.tiers[t].order.evict(1, self._guard_at(t))
             if not victims:
                 break
             self._evict(cast(K, victims[0]), t)   # an order holds only keys this planner put in it
@@ -372,18 +383,26 @@ class Planner(Generic[K]):
             return True                 # unbudgeted
         if need > plan.capacity:
             return False
+        guard = self._guard_at(t)
         while plan.used + need > plan.capacity:
-            victims = plan.order.evict(1, self._guard)
+            victims = plan.order.evict(1, guard)
             if not victims:
                 return False
             self._evict(cast(K, victims[0]), t)
         return True
 
+    def _guard_at(self, t: int) -> Container[K]:
+        """What eviction from tier ``t`` must pass over: the slowest tier keeps ``kept`` too."""
+        return _Either(self._guard, self.kept) if t == len(self.tiers) - 1 else self._guard
+
     def _evict(self, key: K, t: int) -> None:
-        """``key`` leaves tier ``t``: demote it first if the placement says so."""
+        """``key`` leaves tier ``t``: demote it first if the placement says
+        so, or if a live task keeps it (to the next tier)."""
         plan = self.tiers[t]
         plan.evictions += 1
         dest = self.placement.on_evict(key, t)
+        if key in self.kept and (dest is None or dest <= t):
+            dest = t + 1
         if dest is not None and t < dest < len(self.tiers):
             self._place(key, dest, len(self.tiers) - 1, src=t, cause=Cause.DEMOTE)
         self._remove(key, t)

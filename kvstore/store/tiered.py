@@ -37,6 +37,7 @@ from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.sessions.journal import SessionJournal
+from kvstore.sessions.ledger import RETURN_LEAD_S
 from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
 from kvstore.store.leases import Leases, Protected
@@ -90,14 +91,14 @@ class TieredStore:
         self.clock = clock
         self.leases = Leases(clock)
         self.journal = sessions or SessionJournal(None)
-        self.sessions = self.journal.ledger    # agent tasks: the blocks they hold are kept like pins
+        self.sessions = self.journal.ledger    # agent tasks: the blocks they hold go down, never out
         self.sessions.clock = clock
         self.protected = Protected(self.leases, self.sessions)
         self.stats = StoreStats()
         for n in names:
             self.stats.tier(n)
         self.planner = build_planner(self.tiers, placement or Cascade(names), eviction, lower_eviction,
-                                     protected=self.protected, durable=durable_tier)
+                                     protected=self.leases, kept=self.sessions, durable=durable_tier)
         self.executor = Executor(self.tiers, self.planner, self.stats, self._observe)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
             tier.honour_pins(self.protected.any_pinned)
@@ -122,6 +123,8 @@ class TieredStore:
         self._prefetch_budget = max_prefetch_blocks
         self._prefetch_queued = 0
         self._tasks: set[asyncio.Task] = set()
+        # per paused task: the prefetch of its blocks before its tool is back
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._flush_on_close = flush_on_close
 
     @property
@@ -509,10 +512,37 @@ class TieredStore:
 
     def session_call(self, op: str, tenant: str, task: str, args: dict) -> int | bool | None:
         """One session call for ``tenant`` (journalled first when the store
-        has a journal); a pause is timed by the store's clock."""
+        has a journal); a pause is timed by the store's clock, and the
+        task's blocks are prefetched back into the fastest tier
+        ``RETURN_LEAD_S`` before its tool is expected back (on this event
+        loop; none without one). Pressure meanwhile demotes them, never drops."""
         if op == "pause":
             args = {**args, "now": self.clock()}
-        return self.journal.call(op, tenant, task, **args)
+        out = self.journal.call(op, tenant, task, **args)
+        if op == "pause":
+            self._prefetch_on_return(tenant, task)
+        elif op in ("end", "join"):      # one timer per live task at most: a tenant cannot pile them up
+            for who in [w for w in self._timers if not self.sessions.has(*w)]:
+                self._timers.pop(who).cancel()
+        return out
+
+    def _prefetch_on_return(self, tenant: str, task_id: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return                       # no loop to time it on (a bare ledger call)
+        who = (tenant, task_id)
+        paused = self.sessions.task(*who)
+        at = paused.paused_at
+
+        def back() -> None:
+            self._timers.pop(who, None)
+            t = self.sessions.task(*who) if self.sessions.has(*who) else None
+            if t is not None and t.state == "paused" and t.paused_at == at:     # still in that pause
+                self.aprefetch(list(dict.fromkeys(t.keys())), 0)  # type: ignore[arg-type]
+        if who in self._timers:
+            self._timers.pop(who).cancel()
+        self._timers[who] = loop.call_later(max(0.0, paused.tool_s - RETURN_LEAD_S), back)
 
     def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:
@@ -622,6 +652,8 @@ class TieredStore:
 
     async def aclose(self) -> None:
         """Cancel prefetches, flush volatile tiers (``flush_on_close``), close tiers."""
+        for timer in self._timers.values():
+            timer.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -646,14 +678,15 @@ class TierAudit:
 def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
                   eviction: Callable[[], EvictionPolicy] = LRU,
                   lower_eviction: Callable[[], EvictionPolicy] | None = None, *,
-                  protected: Container[BlockKey] = frozenset(), durable: int | None = None) -> Planner:
+                  protected: Container[BlockKey] = frozenset(), kept: Container[BlockKey] = frozenset(),
+                  durable: int | None = None) -> Planner:
     """The planner over real tiers: each tier's budget in bytes and the
     footprint of a block there, and the blocks they already hold."""
     orders = tier_orders(placement, [t.name for t in tiers], top=eviction, lower=lower_eviction)
     plans = [TierPlan(t.name, t.budget_bytes, order, footprint=t.footprint, persistent=t.persistent,
                       retry_when_full=not t.self_evicting)
              for t, order in zip(tiers, orders)]
-    planner = Planner(plans, placement, protected=protected, durable=durable)
+    planner = Planner(plans, placement, protected=protected, kept=kept, durable=durable)
     for ti, tier in enumerate(tiers):     # blocks a tier held before we started
         for key, _owner, nbytes in tier.iter_owners():
             planner.adopt(key, ti, nbytes)

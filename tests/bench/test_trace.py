@@ -9,6 +9,16 @@ from kvstore.errors import KVStoreError
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
+def test_task_fields_read_back():
+    from kvstore.bench.trace import parse_line
+    r = parse_line('{"timestamp": 1000, "input_length": 5, "output_length": 50, "hash_ids": [0], '
+                   '"task_id": "c", "parent_task_id": "p", "tool_s": 2.5, "end": false}')
+    assert (r.task_id, r.parent_task_id, r.tool_s, r.ends_task) == ("c", "p", 2.5, False)
+    assert r.done_s(0.02) == pytest.approx(2.0)
+    plain = parse_line('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}')
+    assert (plain.task_id, plain.parent_task_id, plain.tool_s, plain.ends_task) == (None, None, None, False)
+
+
 def test_round_trip_keeps_extra_fields(tmp_path):
     reqs = [TraceRequest(0.0, 1000, 10, (0, 1)), TraceRequest(5.5, 600, 3, (0, 2),
                                                               {"task_id": "t1", "tenant": "a"})]
@@ -27,13 +37,22 @@ def test_round_trip_keeps_extra_fields(tmp_path):
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0.5]}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [0, 1]}', "3"),
     ("[1, 2]", "object"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "task_id": "t", '
+     '"tool_s": -1}', "tool_s"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "task_id": "t", '
+     '"tool_s": "soon"}', "tool_s"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "task_id": "t", '
+     '"end": "yes"}', "end"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "task_id": ""}', "task_id"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "parent_task_id": "p"}',
+     "without a task_id"),
 ])
 def test_bad_line_names_its_line(tmp_path, line, why):
     good = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7]}'
     p = tmp_path / "bad.jsonl"
     p.write_text(good + "\n\n" + line + "\n")
     with pytest.raises(TraceFormatError) as ei:
-        read_trace(p, block_tokens=512)
+        read_trace(p, block_tokens=None if "task_id" in line else 512)
     assert ei.value.line == 3 and why in str(ei.value) and f"{p}:3" in str(ei.value)
     assert isinstance(ei.value, KVStoreError)
 

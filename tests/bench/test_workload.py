@@ -46,10 +46,10 @@ def test_family_prefix_shared_within_tenant_not_across():
 
 def test_subagents_fork_from_parent_context():
     reqs = generate(CFG)
-    subs = [r for r in reqs if "parent" in r.extra]
+    subs = [r for r in reqs if "parent_task_id" in r.extra]
     assert subs
     s = subs[0]
-    parent = [r for r in reqs if r.task_id == s.extra["parent"] and r.timestamp_ms <= s.timestamp_ms]
+    parent = [r for r in reqs if r.task_id == s.extra["parent_task_id"] and r.timestamp_ms <= s.timestamp_ms]
     shared = max(len(_common(s.hash_ids, p.hash_ids)) for p in parent)
     assert shared >= (CFG.system_prompt_tokens + CFG.tool_desc_tokens) // CFG.block_tokens
 
@@ -82,3 +82,18 @@ def test_every_call_says_whether_its_task_has_another_step():
         by_task.setdefault(r.task_id, []).append(r)
     for calls in by_task.values():            # a task's last call has no follow-up, the others do
         assert [c.followup for c in calls] == [1.0] * (len(calls) - 1) + [0.0]
+
+
+def test_each_call_says_how_long_its_tool_runs_and_the_last_one_ends_the_task():
+    reqs = generate(CFG)
+    by_task: dict = {}
+    for r in reqs:
+        by_task.setdefault(r.task_id, []).append(r)
+    for calls in by_task.values():
+        calls.sort(key=lambda r: r.extra["step"])
+        assert [c.ends_task for c in calls] == [False] * (len(calls) - 1) + [True]
+        assert calls[-1].tool_s is None
+        for c, nxt in zip(calls, calls[1:]):      # the next call comes when the tool is back
+            assert c.tool_s >= 0
+            assert c.done_s(CFG.decode_s_per_token) + c.tool_s == pytest.approx(nxt.timestamp_ms / 1000, abs=2e-3)
+    assert any(r.parent_task_id for r in reqs)

@@ -127,3 +127,31 @@ def test_a_read_only_store_writes_no_session_journal(tmp_path):
     with open_store({"store": {"nvme": {**nvme, "read_only": True}}}) as s:
         s.task_session("t").begin()                         # in memory only
     assert not (tmp_path / "nvme" / "sessions.journal").exists()
+
+
+def test_a_paused_tasks_blocks_go_down_under_pressure_and_come_back_before_its_tool_does(tmp_path):
+    """Held blocks are not pinned in DRAM: pressure demotes them to NVMe
+    (never drops them), and RETURN_LEAD_S before the expected return of the
+    tool they are prefetched back into DRAM."""
+    import time
+
+    from kvstore.sessions.ledger import RETURN_LEAD_S
+    from kvstore.store.factory import open_store
+    cfg = {"store": {"dram": {"capacity_bytes": 4 * BB, "page_bytes": BB, "pinned": "no"},
+                     "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 1 << 22}}}
+    with open_store(cfg) as s:
+        task = block_keys(ID, range(16 * 2))
+        s.put(ID, task, blocks(2))
+        t = s.task_session("agent").begin()
+        t.append("call-1", task)
+        t.pause(RETURN_LEAD_S + 1.0)                       # the prefetch is due in 1 s
+        for r in range(3):                                # 12 other blocks through 4 DRAM slots
+            s.put(ID, block_keys(ID, range(3000 + 64 * r, 3000 + 64 * (r + 1))), blocks(4, seed=20 + 4 * r))
+        planner = s.store.planner
+        assert [planner.locate(k) for k in task] == [1, 1]          # demoted to NVMe, kept there
+        deadline = time.monotonic() + 10
+        while [planner.locate(k) for k in task] != [0, 0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [planner.locate(k) for k in task] == [0, 0]          # back in DRAM before the tool is
+        out = [np.empty(BB, np.uint8) for _ in range(2)]
+        assert s.get_into(ID, task, out) == [None] * 2 and all((a == b).all() for a, b in zip(out, blocks(2)))
