@@ -44,7 +44,7 @@ class TaskReplay:
         self.now = 0.0
         self.ledger = SessionLedger(clock=lambda: self.now)
         self.planner = planner
-        planner.kept = self.ledger
+        planner.kept, planner.returning = self.ledger, self.ledger.returning
         self.admission = admission
         self.worth_keeping = worth_keeping
         self._held: dict[tuple[str, str], set[Hashable]] = {}   # live task -> the keys it holds

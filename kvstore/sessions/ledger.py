@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
@@ -45,6 +45,7 @@ HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
 # before its tool is expected back: about what moving a 15K-token context off
 # NVMe takes. Earlier, and the fast tier's churn takes them out again first.
 RETURN_LEAD_S = 0.5
+RETURN_LATE_S = 2.0          # a tool this late past its expected return is not "due" any more
 
 
 def hold_s(expected_tool_s: float, *, worth_keeping: bool = True) -> float:
@@ -138,6 +139,26 @@ class SessionLedger:
                 return True
         return False
 
+    def due_back(self, key: object) -> bool:
+        """Held by a paused task whose tool is expected back within
+        ``RETURN_LEAD_S`` (or is at most ``RETURN_LATE_S`` late): it is about
+        to be read, so eviction takes it only when nothing else can go."""
+        holders = self._holders.get(key)
+        if not holders:
+            return False
+        now = self.clock()
+        for who in holders:
+            task = self._tasks[who]
+            if task.state == "paused" and task.resume_at is not None \
+                    and task.resume_at - RETURN_LEAD_S <= now <= task.resume_at + RETURN_LATE_S:
+                return True
+        return False
+
+    @property
+    def returning(self) -> Container:
+        """:meth:`due_back` as a Container (the planner's ``returning``)."""
+        return _DueBack(self)
+
     def expired(self, key: Hashable) -> bool:
         """Referenced by live tasks, but only by paused ones past their hold."""
         return self._refs.get(key, 0) > 0 and key not in self
@@ -206,7 +227,9 @@ class SessionLedger:
         return True
 
     def fork(self, tenant: str, task_id: str, child_id: str) -> Task:
-        """A child sharing every block the parent holds now, by reference."""
+        """A child sharing every block the parent holds now, by reference.
+        The parent keeps its state: a paused parent waits for its sub-agents
+        as for a tool."""
         parent = self.task(tenant, task_id)
         existing = self._tasks.get((tenant, check_task_id(child_id)))
         if existing is not None:
@@ -215,7 +238,6 @@ class SessionLedger:
             raise SessionError(f"task {child_id[:32]!r} exists")
         inherited = tuple(parent.keys())
         self._check_room(tenant, tasks=1, refs=len(inherited), steps=1)
-        self._wake(parent)
         child = self.begin(tenant, child_id, parent=task_id)
         self._add_step(child, Step(FORK_STEP, FORK_STEP, inherited))
         return child
@@ -343,6 +365,16 @@ class SessionLedger:
     def tenant_stats(self, tenant: str) -> dict:
         """One tenant's live tasks and the block references they hold."""
         return {"tasks": self._tasks_of.get(tenant, 0), "references": self._per_tenant.get(tenant, 0)}
+
+
+class _DueBack:
+    __slots__ = ("ledger",)
+
+    def __init__(self, ledger: SessionLedger) -> None:
+        self.ledger = ledger
+
+    def __contains__(self, key: object) -> bool:
+        return self.ledger.due_back(key)
 
 
 def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) -> int | bool | None:

@@ -37,6 +37,8 @@ leave a tier for pressure, but only down - it is demoted to the next tier
 with room whatever the placement says - and it is never chosen as a victim
 in the slowest tier, where leaving would lose it. So a paused task's
 context moves down as the fast tiers are needed, instead of pinning them.
+``returning`` (the blocks of paused tasks due back: prefetched up for a
+call about to come) is a victim only where nothing else can go.
 
 Rejected: a second cascade in the replay over the same policy objects (it
 already differed from the store: with nothing evictable the store fell
@@ -138,7 +140,7 @@ class _Either(Generic[K]):
 class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
                  protected: Container[K] = frozenset(), kept: Container[K] = frozenset(),
-                 durable: int | None = None) -> None:
+                 returning: Container[K] = frozenset(), durable: int | None = None) -> None:
         """``durable``: a persistent tier every put also writes to, with no
         fall-through below it (the store's ``durable_tier``). ``kept``: see
         the module doc."""
@@ -150,6 +152,7 @@ class Planner(Generic[K]):
         self.placement = placement
         self.protected = protected
         self.kept = kept
+        self.returning = returning
         self.durable = durable
         self._held: dict[K, tuple[int, int]] = {}    # key -> (tier bitmask, nbytes)
         self._moves: list[Move[K]] = []                    # the plan being made
@@ -328,8 +331,9 @@ class Planner(Generic[K]):
     def _evict_some(self, t: int, n: int) -> int:
         """Evict up to ``n`` blocks from tier ``t``; how many went."""
         done = 0
+        guard = self._guard_at(t)
         while done < n:
-            victims = self.tiers[t].order.evict(1, self._guard_at(t))
+            victims = self._victim(t, guard)
             if not victims:
                 break
             self._evict(cast(K, victims[0]), t)   # an order holds only keys this planner put in it
@@ -385,11 +389,16 @@ class Planner(Generic[K]):
             return False
         guard = self._guard_at(t)
         while plan.used + need > plan.capacity:
-            victims = plan.order.evict(1, guard)
+            victims = self._victim(t, guard)
             if not victims:
                 return False
             self._evict(cast(K, victims[0]), t)
         return True
+
+    def _victim(self, t: int, guard: Container[K]) -> list[Hashable] | None:
+        """One victim from tier ``t``: not a returning block while another can go."""
+        order = self.tiers[t].order
+        return order.evict(1, _Either(guard, self.returning)) or order.evict(1, guard)
 
     def _guard_at(self, t: int) -> Container[K]:
         """What eviction from tier ``t`` must pass over: the slowest tier keeps ``kept`` too."""
