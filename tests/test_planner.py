@@ -148,22 +148,60 @@ def test_bad_planners_are_refused():
         p.refused(Move(Kind.DROP, "a", 0))
 
 
-def test_a_kept_block_goes_down_under_pressure_and_never_out_of_the_slowest_tier():
-    """The blocks a live agent task holds (``kept``) may leave a fast tier
-    only by demotion - even under a placement that would drop them - and
-    are never the slowest tier's victim; released, they go like any block."""
-    kept: set = {"a"}
+class Hints:
+    """Session hints over plain sets (what a SessionLedger answers)."""
+
+    def __init__(self, held=(), referenced=(), returning=()):
+        self.held, self.refs, self.returning = set(held), set(referenced) | set(held), set(returning)
+
+    def __contains__(self, key):
+        return key in self.held
+
+    def referenced(self, key):
+        return key in self.refs
+
+
+def test_a_held_block_goes_down_under_pressure_and_never_out_of_the_slowest_tier():
+    """The blocks a live agent task holds may leave a fast tier only by
+    demotion - even under a placement that would drop them - and are never
+    the slowest tier's victim; released, they go like any block."""
+    hints = Hints(held={"a"})
     tiers = plan_tiers(1, 2)
-    p = Planner(tiers, HbmOnly([t.name for t in tiers]), kept=kept)   # HbmOnly demotes nothing
+    p = Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints)   # HbmOnly demotes nothing
     p.put(["a"], 1)
     assert ops(p.put(["b"], 1).moves) == [("copy", "a", 1, 0), ("drop", "a", 0), ("store", "b", 0)]
-    p2 = planner(1, 1, kept=kept)
+    p2 = planner(1, 1, sessions=hints)
     p2.put(["a"], 1)
     p2.put(["b"], 1)                                       # a demoted to the slowest tier
     assert p2.locate("a") == 1
     plan = p2.put(["c"], 1)                                # b would push a out of tier 1: it cannot
     assert p2.locate("a") == 1 and plan.status == ["planned"] and p2.locate("b") is None
-    kept.clear()
+    hints.held.clear()
+    hints.refs.clear()
     p2.put(["d"], 1)
     p2.put(["e"], 1)
     assert p2.locate("a") is None                          # released: an ordinary victim
+
+
+def test_a_block_past_its_hold_is_demoted_before_it_is_dropped():
+    hints = Hints(referenced={"a", "b"})                   # paused tasks past their hold still reference them
+    tiers = plan_tiers(1, 1)
+    p = Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints)
+    p.put(["a"], 1)
+    p.put(["b"], 1)
+    assert p.locate("a") == 1                              # demoted, though the placement demotes nothing
+    p.put(["c"], 1)                                        # b comes down, and a, not held, makes room
+    assert p.locate("a") is None and p.locate("b") == 1
+
+
+def test_a_block_due_back_is_the_last_victim():
+    hints = Hints(held={"a", "b"}, returning={"a"})
+    p = planner(2, 4, sessions=hints)
+    p.put(["a", "b"], 1)
+    p.hits(["a"], [0])
+    p.hits(["b"], [0])                                     # a is the LRU, but it is about to be read
+    p.put(["c"], 1)
+    assert p.locate("a") == 0 and p.locate("b") == 1
+    hints.returning.add("c")
+    p.put(["d"], 1)                                        # nothing but returning blocks: the LRU of them goes
+    assert (p.locate("a"), p.locate("c"), p.locate("d")) == (1, 0, 0)

@@ -6,7 +6,7 @@ the task begins (a sub-agent with a ``parent_task_id`` forks from its live
 parent: it shares the parent's blocks by reference) or resumes; after it
 the task appends the sealed blocks it does not hold yet, then pauses for
 the call's ``tool_s`` or, on its ``end`` call, ends. The planner keeps
-what live tasks hold (``Planner.kept``: demoted, never dropped while held),
+what live tasks hold (``Planner.sessions``: demoted, never dropped while held),
 exactly as a :class:`~kvstore.store.tiered.TieredStore` does with a
 session's blocks; and ahead of a paused task's expected return (the call's
 estimated end, :meth:`~kvstore.bench.trace.TraceRequest.done_s`, plus its
@@ -44,7 +44,7 @@ class TaskReplay:
         self.now = 0.0
         self.ledger = SessionLedger(clock=lambda: self.now)
         self.planner = planner
-        planner.kept, planner.returning = self.ledger, self.ledger.returning
+        planner.sessions = self.ledger
         self.admission = admission
         self.worth_keeping = worth_keeping
         self._held: dict[tuple[str, str], set[Hashable]] = {}   # live task -> the keys it holds

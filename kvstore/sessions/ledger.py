@@ -159,6 +159,10 @@ class SessionLedger:
         """:meth:`due_back` as a Container (the planner's ``returning``)."""
         return _DueBack(self)
 
+    def referenced(self, key: object) -> bool:
+        """A live task references the block (held, or paused past its hold)."""
+        return key in self._refs
+
     def expired(self, key: Hashable) -> bool:
         """Referenced by live tasks, but only by paused ones past their hold."""
         return self._refs.get(key, 0) > 0 and key not in self

@@ -32,13 +32,15 @@ Protection. ``protected`` (the store's pins and in-flight transfers) is
 never chosen as a victim; neither are the blocks of the hit batch being
 planned (they are being read). The blocks of a put batch are not: a batch
 larger than a tier demotes its own first blocks, as puts one by one would.
-``kept`` (the blocks live agent tasks hold) is weaker: such a block may
-leave a tier for pressure, but only down - it is demoted to the next tier
-with room whatever the placement says - and it is never chosen as a victim
-in the slowest tier, where leaving would lose it. So a paused task's
-context moves down as the fast tiers are needed, instead of pinning them.
-``returning`` (the blocks of paused tasks due back: prefetched up for a
-call about to come) is a victim only where nothing else can go.
+``sessions`` (:class:`SessionHints`: what live agent tasks hold) is
+weaker. A block a live task references leaves a tier for pressure only
+down: it is demoted to the next tier with room whatever the placement says
+(expiry demotes before it drops). A block a task *holds* (running, or
+paused within its hold) is never the slowest tier's victim, where leaving
+would lose it. So a paused task's context moves down as the fast tiers are
+needed, instead of pinning them. A block of a paused task *due back* (its
+tool about to return, its context prefetched up for the call) is a victim
+only where nothing else can go.
 
 Rejected: a second cascade in the replay over the same policy objects (it
 already differed from the store: with nothing evictable the store fell
@@ -55,7 +57,7 @@ import enum
 from collections import Counter
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from kvstore.errors import KVStoreError
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy, PrefetchesOnLookup
@@ -125,6 +127,33 @@ class PutPlan(Generic[K]):
     status: list[str] = field(default_factory=list)
 
 
+class SessionHints(Protocol):
+    """What the planner asks of agent task sessions (a
+    :class:`~kvstore.sessions.ledger.SessionLedger`): ``key in hints``: a
+    live task holds it; ``referenced``: a live task references it, held or
+    past its hold; ``returning``: the held blocks of paused tasks due back."""
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def referenced(self, key: object) -> bool: ...
+
+    @property
+    def returning(self) -> Container: ...
+
+
+class _NoSessions:
+    returning: Container = frozenset()
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+    def referenced(self, key: object) -> bool:
+        return False
+
+
+NO_SESSIONS = _NoSessions()
+
+
 class _Either(Generic[K]):
     """``a or b`` as one Container (the protected set of a hit batch)."""
 
@@ -139,11 +168,11 @@ class _Either(Generic[K]):
 
 class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
-                 protected: Container[K] = frozenset(), kept: Container[K] = frozenset(),
-                 returning: Container[K] = frozenset(), durable: int | None = None) -> None:
+                 protected: Container[K] = frozenset(), sessions: SessionHints | None = None,
+                 durable: int | None = None) -> None:
         """``durable``: a persistent tier every put also writes to, with no
-        fall-through below it (the store's ``durable_tier``). ``kept``: see
-        the module doc."""
+        fall-through below it (the store's ``durable_tier``). ``sessions``:
+        see the module doc."""
         if not tiers:
             raise KVStoreError("a planner needs at least one tier")
         if durable is not None and not (0 <= durable < len(tiers) and tiers[durable].persistent):
@@ -151,8 +180,7 @@ class Planner(Generic[K]):
         self.tiers = list(tiers)
         self.placement = placement
         self.protected = protected
-        self.kept = kept
-        self.returning = returning
+        self.sessions: SessionHints = sessions if sessions is not None else NO_SESSIONS
         self.durable = durable
         self._held: dict[K, tuple[int, int]] = {}    # key -> (tier bitmask, nbytes)
         self._moves: list[Move[K]] = []                    # the plan being made
@@ -398,19 +426,19 @@ class Planner(Generic[K]):
     def _victim(self, t: int, guard: Container[K]) -> list[Hashable] | None:
         """One victim from tier ``t``: not a returning block while another can go."""
         order = self.tiers[t].order
-        return order.evict(1, _Either(guard, self.returning)) or order.evict(1, guard)
+        return order.evict(1, _Either(guard, self.sessions.returning)) or order.evict(1, guard)
 
     def _guard_at(self, t: int) -> Container[K]:
-        """What eviction from tier ``t`` must pass over: the slowest tier keeps ``kept`` too."""
-        return _Either(self._guard, self.kept) if t == len(self.tiers) - 1 else self._guard
+        """What eviction from tier ``t`` must pass over: the slowest tier keeps held blocks too."""
+        return _Either(self._guard, self.sessions) if t == len(self.tiers) - 1 else self._guard
 
     def _evict(self, key: K, t: int) -> None:
         """``key`` leaves tier ``t``: demote it first if the placement says
-        so, or if a live task keeps it (to the next tier)."""
+        so, or if a live task references it (to the next tier)."""
         plan = self.tiers[t]
         plan.evictions += 1
         dest = self.placement.on_evict(key, t)
-        if key in self.kept and (dest is None or dest <= t):
+        if (dest is None or dest <= t) and self.sessions.referenced(key):
             dest = t + 1
         if dest is not None and t < dest < len(self.tiers):
             self._place(key, dest, len(self.tiers) - 1, src=t, cause=Cause.DEMOTE)

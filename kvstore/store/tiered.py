@@ -42,7 +42,7 @@ from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
 from kvstore.store.leases import Leases, Protected
 from kvstore.store.moves import Applied, Executor, Held
-from kvstore.store.planner import Planner, TierPlan, extra_copies
+from kvstore.store.planner import Planner, SessionHints, TierPlan, extra_copies
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
@@ -98,8 +98,7 @@ class TieredStore:
         for n in names:
             self.stats.tier(n)
         self.planner = build_planner(self.tiers, placement or Cascade(names), eviction, lower_eviction,
-                                     protected=self.leases, kept=self.sessions,
-                                     returning=self.sessions.returning, durable=durable_tier)
+                                     protected=self.leases, sessions=self.sessions, durable=durable_tier)
         self.executor = Executor(self.tiers, self.planner, self.stats, self._observe)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
             tier.honour_pins(self.protected.any_pinned)
@@ -679,15 +678,15 @@ class TierAudit:
 def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
                   eviction: Callable[[], EvictionPolicy] = LRU,
                   lower_eviction: Callable[[], EvictionPolicy] | None = None, *,
-                  protected: Container[BlockKey] = frozenset(), kept: Container[BlockKey] = frozenset(),
-                  returning: Container[BlockKey] = frozenset(), durable: int | None = None) -> Planner:
+                  protected: Container[BlockKey] = frozenset(), sessions: SessionHints | None = None,
+                  durable: int | None = None) -> Planner:
     """The planner over real tiers: each tier's budget in bytes and the
     footprint of a block there, and the blocks they already hold."""
     orders = tier_orders(placement, [t.name for t in tiers], top=eviction, lower=lower_eviction)
     plans = [TierPlan(t.name, t.budget_bytes, order, footprint=t.footprint, persistent=t.persistent,
                       retry_when_full=not t.self_evicting)
              for t, order in zip(tiers, orders)]
-    planner = Planner(plans, placement, protected=protected, kept=kept, returning=returning, durable=durable)
+    planner = Planner(plans, placement, protected=protected, sessions=sessions, durable=durable)
     for ti, tier in enumerate(tiers):     # blocks a tier held before we started
         for key, _owner, nbytes in tier.iter_owners():
             planner.adopt(key, ti, nbytes)

@@ -410,3 +410,26 @@ def test_a_read_only_folder_leaves_sessions_unavailable_not_the_store(tmp_path, 
     with pytest.raises(TierUnavailable, match="Permission denied"):
         j.call("begin", A, "u")
     assert j.ledger.tasks(A) == ["t"]                             # what was on disk was read
+
+
+def test_a_paused_tasks_blocks_are_due_back_just_before_its_tool_returns_and_not_long_after():
+    from kvstore.sessions.ledger import RETURN_LATE_S, RETURN_LEAD_S
+    now = [0.0]
+    led = SessionLedger(clock=lambda: now[0])
+    led.begin(A, "t")
+    led.append(A, "t", "s1", [key(1)])
+    led.begin(B, "u")
+    led.append(B, "u", "s1", [key(2)])
+    led.pause(A, "t", now=0.0, expected_tool_s=10.0)
+    assert key(1) not in led.returning and key(2) not in led.returning    # u is running, not due back
+    for at, due in ((10.0 - RETURN_LEAD_S - 0.01, False), (10.0 - RETURN_LEAD_S, True), (10.0, True),
+                    (10.0 + RETURN_LATE_S, True), (10.0 + RETURN_LATE_S + 0.01, False)):
+        now[0] = at
+        assert (key(1) in led.returning) is due, at
+    led.fork(A, "t", "sub")                       # sub-agents run while the parent waits on them
+    assert led.task(A, "t").state == "paused"
+    assert key(99) not in led.returning
+    assert not led.expired(key(1)) and not led.due_back(key(99))
+    with pytest.raises(TaskNotFound):
+        led.resume(B, "t")
+    assert hold_s(5.0, worth_keeping=False) == 0.0 < hold_s(5.0)
