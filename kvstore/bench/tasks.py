@@ -143,5 +143,6 @@ class TaskReplay:
                 due.append(held)
         keep = frozenset().union(*due)
         for held in due:
+            p.expect(list(held), now)
             moves = p.prefetch([k for k in held if p.locate(k) not in (None, 0)], 1, keep=keep)
             self.prefetched_blocks += sum(m.cause is Cause.PREFETCH for m in moves)

@@ -87,6 +87,15 @@ class PrefetchesOnLookup(Protocol):
 
 
 @runtime_checkable
+class TakesSessionHints(Protocol):
+    """A placement told what agent task sessions know: ``on_return``: a
+    paused task's blocks are about to be read again (its tool is due back),
+    so they are worth as much as blocks just used."""
+
+    def on_return(self, keys: Sequence[Key], now: float) -> None: ...
+
+
+@runtime_checkable
 class KnowsCapacity(Protocol):
     """A placement that wants to know a tier's capacity in tokens, among
     them ``hbm``: the engine's own prefix cache, reported by its connector

@@ -228,6 +228,16 @@ class ReuseModel:
             meta.popitem(last=False)
         return cls
 
+    def expect(self, keys: Sequence[Hashable], now: float) -> None:
+        """Known blocks that are about to be read (a session's hint): last
+        used now, in the class of requests hinted to continue. Counts and
+        the reuse model are untouched: nothing was requested yet."""
+        cls = 2 * self.DEPTHS + 1
+        for k in keys:
+            m = self._meta.get(k)
+            if m is not None:
+                m[0], m[1] = cls, max(m[1], now)
+
     def rate(self, cls: int) -> float:
         return (self._extended[cls] + 1) / (self._requests[cls] + 2)
 
@@ -362,6 +372,10 @@ class RegimePlacement:
         self._last_now = 0.0
 
     # -- observation ---------------------------------------------------
+    def on_return(self, keys: Sequence[Hashable], now: float) -> None:
+        """A paused agent task is due back: its blocks rank as just used."""
+        self._model.expect(keys, now)
+
     def on_request(self, keys: Sequence[Hashable], now: float | None = None,
                    followup: float | None = None) -> None:
         now = self._clock() if now is None else now

@@ -46,6 +46,7 @@ HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
 # NVMe takes. Earlier, and the fast tier's churn takes them out again first.
 RETURN_LEAD_S = 0.5
 RETURN_LATE_S = 2.0          # a tool this late past its expected return is not "due" any more
+DUE_REFRESH_S = 0.05
 
 
 def hold_s(expected_tool_s: float, *, worth_keeping: bool = True) -> float:
@@ -121,6 +122,9 @@ class SessionLedger:
         self.clock = clock
         self._per_tenant: Counter = Counter()   # tenant -> references its tasks hold
         self.max_tasks, self.max_refs = max_tasks, max_refs
+        self._version = 0            # bumped by every pause and wake: the due set is stale then
+        self._due_version, self._due_at = -1, -math.inf
+        self._due: frozenset[tuple[str, str]] = frozenset()
 
     # -- queries ---------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -142,17 +146,24 @@ class SessionLedger:
     def due_back(self, key: object) -> bool:
         """Held by a paused task whose tool is expected back within
         ``RETURN_LEAD_S`` (or is at most ``RETURN_LATE_S`` late): it is about
-        to be read, so eviction takes it only when nothing else can go."""
-        holders = self._holders.get(key)
-        if not holders:
+        to be read, so eviction takes it only when nothing else can go.
+        Asked for every eviction candidate, so O(tasks due), not O(holders)."""
+        due = self._due_tasks()
+        if not due:
             return False
+        holders = self._holders.get(key)
+        return holders is not None and any(who in holders for who in due)
+
+    def _due_tasks(self) -> frozenset[tuple[str, str]]:
+        """The paused tasks due back now, recomputed when a task changed or
+        ``DUE_REFRESH_S`` passed (the window's edges are half a second wide)."""
         now = self.clock()
-        for who in holders:
-            task = self._tasks[who]
-            if task.state == "paused" and task.resume_at is not None \
-                    and task.resume_at - RETURN_LEAD_S <= now <= task.resume_at + RETURN_LATE_S:
-                return True
-        return False
+        if self._due_version != self._version or not self._due_at <= now < self._due_at + DUE_REFRESH_S:
+            self._due_version, self._due_at = self._version, now
+            self._due = frozenset(
+                who for who, t in self._tasks.items() if t.state == "paused" and t.resume_at is not None
+                and t.resume_at - RETURN_LEAD_S <= now <= t.resume_at + RETURN_LATE_S)
+        return self._due
 
     @property
     def returning(self) -> Container:
@@ -285,6 +296,7 @@ class SessionLedger:
                 or not 0.0 <= expected_tool_s < 1e7:
             raise SessionError(f"expected_tool_s must be seconds in [0, 1e7), got {expected_tool_s!r}")
         task = self.task(tenant, task_id)
+        self._version += 1
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
         task.hold_until = now + hold_s(float(expected_tool_s), worth_keeping=worth_keeping)
         task.paused_at, task.tool_s = now, float(expected_tool_s)
@@ -304,6 +316,7 @@ class SessionLedger:
             tree.append(t)
             todo += [self._tasks[(tenant, c)] for c in sorted(t.children) if (tenant, c) in self._tasks]
         freed: list[Hashable] = []
+        self._version += 1
         for t in reversed(tree):         # children before their parents
             del self._tasks[(tenant, t.task_id)]
             self._tasks_of[tenant] -= 1
@@ -314,9 +327,9 @@ class SessionLedger:
         return freed
 
     # -- internals -------------------------------------------------------------
-    @staticmethod
-    def _wake(task: Task) -> None:
+    def _wake(self, task: Task) -> None:
         if task.state == "paused":      # a call arriving means the tool came back
+            self._version += 1
             task.state, task.resume_at, task.hold_until = "running", None, math.inf
 
     def _check_room(self, tenant: str, *, tasks: int = 0, refs: int = 0, steps: int = 0) -> None:

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, cast
 
 from kvstore.errors import KVStoreError
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy, PrefetchesOnLookup
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy, PrefetchesOnLookup, TakesSessionHints
 
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
 
@@ -300,6 +300,18 @@ class Planner(Generic[K]):
         finally:
             self._guard = self.protected
         return self._take()
+
+    def expect(self, keys: Sequence[K], now: float) -> None:
+        """``keys`` are about to be read (a paused task is due back): the
+        placement hears it (:class:`~kvstore.policies.base.TakesSessionHints`)
+        and every tier's order files them as just used. No move."""
+        if isinstance(self.placement, TakesSessionHints):
+            self.placement.on_return(keys, now)
+        for key in keys:
+            mask = self._held.get(key, (0, 0))[0]
+            for t, plan in enumerate(self.tiers):
+                if mask >> t & 1:
+                    plan.order.touch(key)
 
     def flush(self) -> list[Move[K]]:
         """Copy what only volatile tiers hold to the first persistent tier

@@ -539,7 +539,9 @@ class TieredStore:
             self._timers.pop(who, None)
             t = self.sessions.task(*who) if self.sessions.has(*who) else None
             if t is not None and t.state == "paused" and t.paused_at == at:     # still in that pause
-                self.aprefetch(list(dict.fromkeys(t.keys())), 0)  # type: ignore[arg-type]
+                keys: list = list(dict.fromkeys(t.keys()))
+                self.planner.expect(keys, self.clock())
+                self.aprefetch(keys, 0)
         if who in self._timers:
             self._timers.pop(who).cancel()
         self._timers[who] = loop.call_later(max(0.0, paused.tool_s - RETURN_LEAD_S), back)

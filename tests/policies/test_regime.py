@@ -311,3 +311,19 @@ def test_watch_writes_back_a_block_worth_more_than_the_one_it_displaces():
     assert p.regime == Regime.WATCH
     assert p.on_evict("new", 0) == 1                     # worth more than a 500 s old victim
     assert p.on_evict("never-seen", 0) is None           # worth nothing: dropped
+
+
+def test_a_tasks_blocks_due_back_rank_as_just_used_without_counting_a_request():
+    from kvstore.policies.base import TakesSessionHints
+    p = make()
+    assert isinstance(p, TakesSessionHints)
+    p.on_request(["a1", "a2"], 0.0)
+    p.on_request(["b1", "b2"], 10.0)
+    model = p._model
+    model.now = 20.0
+    assert model.value("a1") < model.value("b1")
+    before = model.stats()
+    p.on_return(["a1", "a2", "unknown"], 20.0)
+    assert model.value("a1") > model.value("b1") and model.value("a2") > model.value("b2")
+    assert model.stats() == before                      # no request counted, no rate moved
+    assert model.stamp("unknown")[1] == float("-inf")   # a block it never saw stays unknown

@@ -422,8 +422,8 @@ def test_a_paused_tasks_blocks_are_due_back_just_before_its_tool_returns_and_not
     led.append(B, "u", "s1", [key(2)])
     led.pause(A, "t", now=0.0, expected_tool_s=10.0)
     assert key(1) not in led.returning and key(2) not in led.returning    # u is running, not due back
-    for at, due in ((10.0 - RETURN_LEAD_S - 0.01, False), (10.0 - RETURN_LEAD_S, True), (10.0, True),
-                    (10.0 + RETURN_LATE_S, True), (10.0 + RETURN_LATE_S + 0.01, False)):
+    for at, due in ((10.0 - RETURN_LEAD_S - 0.1, False), (10.0 - RETURN_LEAD_S, True), (10.0, True),
+                    (10.0 + RETURN_LATE_S, True), (10.0 + RETURN_LATE_S + 0.1, False)):   # DUE_REFRESH_S apart
         now[0] = at
         assert (key(1) in led.returning) is due, at
     led.fork(A, "t", "sub")                       # sub-agents run while the parent waits on them
