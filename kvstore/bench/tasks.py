@@ -47,7 +47,8 @@ class TaskReplay:
         planner.sessions = self.ledger
         self.admission = admission
         self.worth_keeping = worth_keeping
-        self._held: dict[tuple[str, str], set[Hashable]] = {}   # live task -> the keys it holds
+        # live task -> the keys it holds (what the ledger's steps hold, as a set: a call appends only its new keys)
+        self._held: dict[tuple[str, str], set[Hashable]] = {}
         self._returns: list[tuple[float, int, str, str]] = []   # (prefetch at, seq, tenant, task)
         self._pause: dict[tuple[str, str], int] = {}   # task -> seq of the pause it is in (none: calling)
         self._seq = 0
@@ -138,7 +139,7 @@ class TaskReplay:
         while self._returns and self._returns[0][0] <= now:
             _, seq, tenant, tid = heapq.heappop(self._returns)
             held = self._held.get((tenant, tid))
-            # still in that pause (the ledger may call a parent whose sub-agents run "running")
+            # still in that pause: a call since, or a later pause, supersedes this entry
             if held is not None and self._pause.get((tenant, tid)) == seq:
                 due.append(held)
         keep = frozenset().union(*due)
