@@ -70,13 +70,15 @@ class TraceRequest:
 
     @property
     def task_id(self) -> str | None:
-        t = self.extra.get("task_id")
-        return None if t is None else str(t)
+        return self._text("task_id")
 
     @property
     def parent_task_id(self) -> str | None:
-        t = self.extra.get("parent_task_id")
-        return None if t is None else str(t)
+        return self._text("parent_task_id")
+
+    def _text(self, name: str) -> str | None:
+        v = self.extra.get(name)
+        return None if v is None else str(v)
 
     @property
     def tool_s(self) -> float | None:

@@ -147,12 +147,14 @@ class SessionLedger:
         """Held by a paused task whose tool is expected back within
         ``RETURN_LEAD_S`` (or is at most ``RETURN_LATE_S`` late): it is about
         to be read, so eviction takes it only when nothing else can go.
-        Asked for every eviction candidate, so O(tasks due), not O(holders)."""
-        due = self._due_tasks()
-        if not due:
+        O(tasks due), not O(holders)."""
+        return self._held_by(key, self._due_tasks())
+
+    def _held_by(self, key: object, tasks: frozenset[tuple[str, str]]) -> bool:
+        if not tasks:
             return False
         holders = self._holders.get(key)
-        return holders is not None and any(who in holders for who in due)
+        return holders is not None and any(who in holders for who in tasks)
 
     def _due_tasks(self) -> frozenset[tuple[str, str]]:
         """The paused tasks due back now, recomputed when a task changed or
@@ -167,8 +169,10 @@ class SessionLedger:
 
     @property
     def returning(self) -> Container:
-        """:meth:`due_back` as a Container (the planner's ``returning``)."""
-        return _DueBack(self)
+        """:meth:`due_back` as a Container (the planner's ``returning``), the
+        due tasks taken once: the planner asks it for every eviction
+        candidate, and an empty one is false (nothing to pass over)."""
+        return _DueBack(self, self._due_tasks())
 
     def referenced(self, key: object) -> bool:
         """A live task references the block (held, or paused past its hold)."""
@@ -385,13 +389,16 @@ class SessionLedger:
 
 
 class _DueBack:
-    __slots__ = ("ledger",)
+    __slots__ = ("ledger", "due")
 
-    def __init__(self, ledger: SessionLedger) -> None:
-        self.ledger = ledger
+    def __init__(self, ledger: SessionLedger, due: frozenset[tuple[str, str]]) -> None:
+        self.ledger, self.due = ledger, due
+
+    def __bool__(self) -> bool:
+        return bool(self.due)
 
     def __contains__(self, key: object) -> bool:
-        return self.ledger.due_back(key)
+        return self.ledger._held_by(key, self.due)
 
 
 def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) -> int | bool | None:

@@ -138,7 +138,7 @@ class SessionHints(Protocol):
     def referenced(self, key: object) -> bool: ...
 
     @property
-    def returning(self) -> Container: ...
+    def returning(self) -> Container: ...      # false when there is none
 
 
 class _NoSessions:
@@ -286,8 +286,7 @@ class Planner(Generic[K]):
     def prefetch(self, keys: Sequence[K], to: int, keep: Container[K] = frozenset()) -> list[Move[K]]:
         """Copy each key held below tier ``to`` up into it (or as far up as
         room allows), never evicting a key in ``keep`` (a promotion ahead of
-        a load keeps the rest of that request's prefix where it is). A key
-        ``to`` holds already is touched: it is about to be read too."""
+        a load keeps the rest of that request's prefix where it is)."""
         self._moves = []
         self._guard = _Either(self.protected, keep)
         try:
@@ -295,8 +294,6 @@ class Planner(Generic[K]):
                 src = self.locate(key)
                 if src is not None and src > to:
                     self._place(key, to, src - 1, src=src, cause=Cause.PREFETCH)
-                elif src == to:
-                    self.tiers[to].order.touch(key)
         finally:
             self._guard = self.protected
         return self._take()
@@ -438,7 +435,10 @@ class Planner(Generic[K]):
     def _victim(self, t: int, guard: Container[K]) -> list[Hashable] | None:
         """One victim from tier ``t``: not a returning block while another can go."""
         order = self.tiers[t].order
-        return order.evict(1, _Either(guard, self.sessions.returning)) or order.evict(1, guard)
+        returning = self.sessions.returning
+        if returning:
+            return order.evict(1, _Either(guard, returning)) or order.evict(1, guard)
+        return order.evict(1, guard)
 
     def _guard_at(self, t: int) -> Container[K]:
         """What eviction from tier ``t`` must pass over: the slowest tier keeps held blocks too."""
