@@ -58,6 +58,16 @@ class ProtocolError(KVStoreError):
     truncated metadata or payload, an unknown opcode. The connection closes."""
 
 
+# The name on the package index. "kvstore" there is an unrelated 2016 K/V client,
+# so the distribution has a name of its own; the import name stays `kvstore`.
+DISTRIBUTION = "kvstore-tiered"
+
+
+def pip_extra(extra: str, *more: str) -> str:
+    """The install line for an optional extra, e.g. ``pip install 'kvstore-tiered[gpu]'``."""
+    return " ".join([f"pip install '{DISTRIBUTION}[{extra}]'", *more])
+
+
 class MissingDependency(KVStoreError, ImportError):
     """An optional extra (cupy, torch, vllm) is needed for this feature."""
 

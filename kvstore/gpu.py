@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import ConfigError, InvalidBlock, MissingDependency, TierUnavailable
+from kvstore.errors import ConfigError, InvalidBlock, MissingDependency, TierUnavailable, pip_extra
 
-GPU_EXTRA = "pip install kvstore[gpu]"
+GPU_EXTRA = pip_extra("gpu")
 
 
 @functools.lru_cache(maxsize=1)

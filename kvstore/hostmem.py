@@ -26,9 +26,9 @@ def alloc_arena(nbytes: int, *, pinned: str = "auto") -> tuple[np.ndarray, bool]
         if arr is not None:
             return arr, True
         if pinned == "yes":
-            from kvstore.errors import MissingDependency  # noqa: PLC0415
+            from kvstore.errors import MissingDependency, pip_extra  # noqa: PLC0415
 
-            raise MissingDependency("pinned DRAM arena", "a CUDA GPU and `pip install kvstore[gpu]`")
+            raise MissingDependency("pinned DRAM arena", f"a CUDA GPU and `{pip_extra('gpu')}`")
     size = max(PAGE, -(-nbytes // PAGE) * PAGE)
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):

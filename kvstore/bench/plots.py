@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.errors import MissingDependency
+from kvstore.errors import MissingDependency, pip_extra
 
 _REGIME_LEVEL = {"HBM_ONLY": 0, "WATCH": 1, "DRAM": 2, "SPILL": 3}
 
@@ -16,7 +16,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MissingDependency("replay plots", "pip install 'kvstore[bench]'") from None
+        raise MissingDependency("replay plots", pip_extra("bench")) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

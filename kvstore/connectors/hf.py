@@ -35,7 +35,7 @@ from kvstore.connectors._common import (
     dtype_name,
     rope_fields,
 )
-from kvstore.errors import ConfigError, MissingDependency
+from kvstore.errors import ConfigError, MissingDependency, pip_extra
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
@@ -46,7 +46,7 @@ from kvstore.store.facade import Store
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - torch is an optional extra
-    raise MissingDependency("kvstore.connectors.hf", "pip install 'kvstore[torch]' transformers") from exc
+    raise MissingDependency("kvstore.connectors.hf", pip_extra("hf")) from exc
 
 
 def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = None,
