@@ -16,8 +16,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kvstore.errors import ConfigError
 
@@ -33,9 +34,45 @@ ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "sliding_window")
 KEY_HASHES = ("sha256", "xxh3_128")
 
 
+def finite(value: object, name: str, error: Callable[[str], Exception] = ConfigError) -> float:
+    """``value`` as a float if it is a real number: not a bool (JSON's true is
+    not 1), not NaN, not +-inf (JSON's NaN / Infinity literals, which Python's
+    json reads, and 1e999 parse to those; TOML has nan and inf). Anything else
+    raises ``error(message naming name)``. The one check of a number read
+    from a file, a trace, a config object or the wire; ranges stay with the
+    caller. It lives here because this module, which reads the identity's
+    numbers, imports nothing of kvstore's but its errors."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:           # an int too large for a float
+            number = math.inf
+        if math.isfinite(number):
+            return number
+        raise error(f"{name} must be a finite number, got {shown(value)}")
+    raise error(f"{name} must be a number, got {shown(value)}")
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """A value for a message as the file wrote it (JSON: null, true, NaN),
+    cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):     # not a JSON value (a Python caller's object), or an int too long
+        try:
+            text = repr(value)
+        except Exception:   # noqa: BLE001 - a hostile __repr__
+            text = f"a {type(value).__name__}"
+    return _cut(text, limit)
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        raise ConfigError(f"{name} must be a positive int, got {shown(value)}")
 
 
 def _text(name: str, value: Any, *, allow_empty: bool = True) -> None:
@@ -65,10 +102,10 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             _positive_int(name, getattr(self, name))
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"unknown KV dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
-        if self.attention not in ATTENTION_KINDS:
-            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype: unknown KV dtype {shown(self.dtype)}; known: {sorted(DTYPE_BYTES)}")
+        if not isinstance(self.attention, str) or self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention must be one of {ATTENTION_KINDS}, got {shown(self.attention)}")
         if self.attention == "sliding_window":
             _positive_int("sliding_window", self.sliding_window)
         elif self.sliding_window is not None:
@@ -121,16 +158,15 @@ class CacheIdentity:
                      "rope_scaling", "adapter_id", "adapter_revision",
                      "chat_template_revision", "mm_processor_version", "cache_salt"):
             _text(name, getattr(self, name))
-        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) \
-                or not 0 < self.rope_theta < float("inf"):
-            raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
+        if finite(self.rope_theta, "rope_theta") <= 0:
+            raise ConfigError(f"rope_theta must be a positive finite number, got {shown(self.rope_theta)}")
         for size, rank in (("tp_size", "tp_rank"), ("pp_size", "pp_stage")):
             _positive_int(size, getattr(self, size))
             r = getattr(self, rank)
             if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < getattr(self, size):
-                raise ConfigError(f"{rank} must be in [0, {size}), got {r!r}")
+                raise ConfigError(f"{rank} must be in [0, {size}), got {shown(r)}")
         if self.key_hash not in KEY_HASHES:
-            raise ConfigError(f"key_hash must be one of {KEY_HASHES}, got {self.key_hash!r}")
+            raise ConfigError(f"key_hash must be one of {KEY_HASHES}, got {shown(self.key_hash)}")
         if self.adapter_revision and not self.adapter_id:
             raise ConfigError("adapter_revision given without adapter_id")
         if not isinstance(self.extra, tuple) or not all(
@@ -170,37 +206,23 @@ class CacheIdentity:
     # -- parsing ----------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CacheIdentity":
-        """Build from a flat or nested mapping (ID.json). Unknown fields are errors."""
+        """Build from a flat or nested mapping (ID.json). Unknown fields are
+        errors; so is a field given twice with two values (see _layout_data)."""
         if not isinstance(data, Mapping):
             raise ConfigError("identity must be a JSON object")
         data = dict(data)
         if not all(isinstance(k, str) for k in data):
             raise ConfigError("identity field names must be strings")
-        layout_fields = {f.name for f in dataclasses.fields(KVLayout)}
-        layout_raw = data.pop("layout", {}) or {}
-        if not isinstance(layout_raw, Mapping) or not all(isinstance(k, str) for k in layout_raw):
-            raise ConfigError("layout must be an object of layout fields")
-        layout_data = dict(layout_raw)
-        for name in list(data):
-            if name in layout_fields:
-                layout_data[name] = data.pop(name)
-        if "block_size" in data:  # the engines' name for block_tokens
-            layout_data.setdefault("block_tokens", data.pop("block_size"))
+        layout_data = _layout_data(data)      # pops the layout's fields out of data
         known = {f.name for f in dataclasses.fields(cls)} - {"layout"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown identity field(s): {', '.join(unknown)}")
+            raise ConfigError(f"unknown identity field(s): {_names(unknown)}")
         missing = sorted({"num_layers", "num_kv_heads", "head_dim", "block_tokens"} - set(layout_data))
         if missing:
             raise ConfigError(f"identity is missing layout field(s): {', '.join(missing)}")
-        unknown_layout = sorted(set(layout_data) - layout_fields)
-        if unknown_layout:
-            raise ConfigError(f"unknown layout field(s): {', '.join(unknown_layout)}")
         if "extra" in data:
-            extra = data["extra"]
-            if not isinstance(extra, Mapping) or not all(isinstance(v, str) for v in extra.values()):
-                raise ConfigError("extra must be an object of string values")
-            data["extra"] = tuple(sorted((str(k), v) for k, v in extra.items()))
+            data["extra"] = _extra_pairs(data["extra"])
         if "model_id" not in data:
             raise ConfigError("identity is missing model_id")
         try:
@@ -215,6 +237,62 @@ class CacheIdentity:
         except (ValueError, RecursionError) as exc:   # ValueError: bad JSON, bad UTF-8
             raise ConfigError(f"identity is not valid JSON: {exc}"[:300]) from None
         return cls.from_dict(data)
+
+
+# the engines' names for layout fields (vLLM's and SGLang's block_size / page size)
+LAYOUT_ALIASES = {"block_size": "block_tokens"}
+
+
+def _layout_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The layout's fields, popped from ``data``: each may sit at the top
+    level or under ``"layout"``, and ``block_size`` names ``block_tokens``.
+    A field given in two places must have one value there: equal duplicates
+    are accepted (a file merged from an engine's config and ours says
+    block_size and block_tokens alike), two values are an error naming both
+    places, since which one the user meant cannot be known."""
+    raw = data.pop("layout", {})
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
+        raise ConfigError(f"layout must be an object of layout fields, got {shown(raw)}")
+    names = {f.name for f in dataclasses.fields(KVLayout)}
+    unknown = sorted(k for k in raw if k not in names and k not in LAYOUT_ALIASES)
+    if unknown:
+        raise ConfigError(f"unknown layout field(s): {_names(unknown)}")
+    given: list[tuple[str, str, Any]] = [(f"layout.{k}", k, v) for k, v in raw.items()]
+    given += [(k, k, data.pop(k)) for k in list(data) if k in names or k in LAYOUT_ALIASES]
+    out: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for place, name, value in given:
+        field_name = LAYOUT_ALIASES.get(name, name)
+        if field_name in out and not _same(out[field_name], value):
+            raise ConfigError(f"conflicting values for {field_name}: {where[field_name]} is "
+                              f"{shown(out[field_name])} but {place} is {shown(value)}; give one")
+        out.setdefault(field_name, value)
+        where.setdefault(field_name, place)
+    return out
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal as JSON values: 16 and 16.0 (or true and 1) are not."""
+    return type(a) is type(b) and a == b
+
+
+def _extra_pairs(extra: object) -> tuple[tuple[str, str], ...]:
+    """``extra`` as sorted (name, value) pairs. Values must be strings, never
+    converted: converting would key {"a": 1} and {"a": "1"} (or 1.0) alike,
+    and two settings that differ must never share keys."""
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"extra must be an object of string values, got {shown(extra)}")
+    for name, value in extra.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"extra.{_cut(str(name))} must be a string, got {shown(value)} "
+                              f"(write it as a string: the identity keys it as written)")
+    return tuple(sorted((str(k), v) for k, v in extra.items()))
+
+
+def _names(names: list[str]) -> str:
+    """Field names for a message, each and all cut short (they come from a file)."""
+    text = ", ".join(_cut(repr(n)[1:-1], 32) for n in names[:8])
+    return text + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -33,7 +33,11 @@ _EXTRA_TAG = b"\xffX"  # separates token bytes from per-block extras
 
 @dataclass(frozen=True, slots=True)
 class MediaRef:
-    """A media item (image, audio clip) overlapping a block."""
+    """A media item (image, audio clip) overlapping a block: its content hash
+    and ``num_tokens``, the number of the block's token positions it fills
+    (1..block_tokens: an image of 576 tokens from position 20, in 16-token
+    blocks, fills 12 positions of block 1, all 16 of blocks 2-36 and 4 of
+    block 37). The count keys where the media sits, not only that it is there."""
 
     media_hash: str
     num_tokens: int
@@ -41,8 +45,9 @@ class MediaRef:
     def __post_init__(self) -> None:
         if not isinstance(self.media_hash, str) or not self.media_hash:
             raise ConfigError("media_hash must be a non-empty string")
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
-            raise ConfigError(f"media num_tokens must be a non-negative int, got {self.num_tokens!r}")
+        if not isinstance(self.num_tokens, int) or isinstance(self.num_tokens, bool) or self.num_tokens < 1:
+            raise ConfigError(f"media num_tokens must be a positive int (the block's token positions "
+                              f"the media fills), got {self.num_tokens!r}"[:160])
 
 
 BlockExtras = Sequence[MediaRef]
@@ -55,9 +60,16 @@ def _sha256(data: bytes) -> bytes:
 _DIGESTS = {"sha256": _sha256, "xxh3_128": xxhash.xxh3_128_digest}
 
 
-def _encode_extras(extras: BlockExtras) -> bytes:
+def _encode_extras(extras: BlockExtras, block_tokens: int, block: int) -> bytes:
     if not extras:
         return b""
+    for m, media in enumerate(extras):
+        if not isinstance(media, MediaRef):
+            raise ConfigError(f"extras[{block}][{m}] must be a MediaRef, got {type(media).__name__}")
+        if media.num_tokens > block_tokens:
+            raise ConfigError(f"extras[{block}][{m}]: num_tokens {media.num_tokens} is more than the "
+                              f"block's {block_tokens} token positions (it counts the positions of "
+                              "this block the media fills)")
     items = [[m.media_hash, m.num_tokens] for m in extras]
     return _EXTRA_TAG + json.dumps(items, separators=(",", ":")).encode()
 
@@ -96,7 +108,8 @@ class KeyChain:
         """Append tokens; return the keys of the blocks this call sealed.
 
         ``extras[j]`` holds the media overlapping the j-th block sealed by
-        this call (missing entries mean none).
+        this call (missing entries mean none); each fills 1..block_tokens of
+        the block's positions (a ConfigError otherwise, nothing extended).
         """
         arr = np.concatenate([self._pending, _as_token_array(tokens)])
         n_full = len(arr) // self.block_tokens
@@ -104,9 +117,10 @@ class KeyChain:
         step = self.block_tokens * 4
         raw = arr[:n_full * self.block_tokens].tobytes()  # one conversion, then slices
         digest, prev = _DIGESTS[self._algo], self._prev
-        for j in range(n_full):
-            extra = extras[j] if extras is not None and j < len(extras) else ()
-            prev = digest(prev + raw[j * step:(j + 1) * step] + _encode_extras(extra))
+        for j in range(n_full):   # state changes after the loop: a bad extra extends nothing
+            extra = _encode_extras(extras[j], self.block_tokens, j) \
+                if extras is not None and j < len(extras) else b""
+            prev = digest(prev + raw[j * step:(j + 1) * step] + extra)
             new.append(BlockKey(prev))
         self._prev = prev
         self._pending = arr[n_full * self.block_tokens:].copy()
@@ -127,8 +141,16 @@ class KeyChain:
 
 def block_keys(identity: CacheIdentity, tokens: Iterable[int] | np.ndarray,
                extras: Sequence[BlockExtras] | None = None) -> list[BlockKey]:
-    """One key per sealed block of ``tokens``; the partial tail gets none."""
-    return KeyChain(identity).extend(tokens, extras)
+    """One key per sealed block of ``tokens``; the partial tail gets none.
+    ``extras`` may name fewer blocks than are sealed (the rest have no media),
+    never more: media of a block that gets no key is a caller's mistake."""
+    arr = _as_token_array(tokens)
+    sealed = len(arr) // identity.layout.block_tokens
+    if extras is not None and len(extras) > sealed:
+        raise ConfigError(f"extras has {len(extras)} entries but the {len(arr)} tokens make {sealed} "
+                          f"sealed block(s) of {identity.layout.block_tokens}; the trailing partial "
+                          "block gets no key, so it takes no extras")
+    return KeyChain(identity).extend(arr, extras)
 
 
 def check_key(key: object) -> BlockKey:

@@ -72,7 +72,7 @@ def test_any_identity_change_changes_every_key(field):
 
 
 def test_media_extras_change_the_block_and_after():
-    img = [[MediaRef("sha256:aaa", 576)]]
+    img = [[MediaRef("sha256:aaa", 16)]]
     base = block_keys(BASE, TOKENS)
     with_img = KeyChain(BASE)
     k0 = with_img.extend(TOKENS[:32])  # blocks 0, 1 without media
@@ -80,10 +80,10 @@ def test_media_extras_change_the_block_and_after():
     assert k0 == base[:2] and k2[0] != base[2] and k2[-1] != base[-1]
     other_img = KeyChain(BASE)
     other_img.extend(TOKENS[:32])
-    assert other_img.extend(TOKENS[32:], extras=[[MediaRef("sha256:bbb", 576)]])[0] != k2[0]
+    assert other_img.extend(TOKENS[32:], extras=[[MediaRef("sha256:bbb", 16)]])[0] != k2[0]
     count = KeyChain(BASE)
     count.extend(TOKENS[:32])
-    assert count.extend(TOKENS[32:], extras=[[MediaRef("sha256:aaa", 575)]])[0] != k2[0]
+    assert count.extend(TOKENS[32:], extras=[[MediaRef("sha256:aaa", 15)]])[0] != k2[0]
 
 
 def test_incremental_chain_equals_one_shot_and_forks():

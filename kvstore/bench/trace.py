@@ -20,6 +20,7 @@ silently skipped (a replay over a half-parsed trace would report wrong rates).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from kvstore.errors import ConfigError, InvalidHint
+from kvstore.identity import finite
 from kvstore.policies.base import check_followup
+from kvstore.sessions.ledger import MAX_TOOL_S
 
 REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 # Seconds per output token: when a call ends (and its ``tool_s`` starts) is
@@ -118,8 +121,9 @@ def parse_line(text: str, *, source: str = "<trace>", line: int = 1,
     if missing:
         raise TraceFormatError(source, line, f"missing field(s) {missing}")
     ts, inp, outp, ids = (obj[k] for k in REQUIRED)
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
-        raise TraceFormatError(source, line, f"timestamp must be a finite number >= 0, got {ts!r}")
+    bad = functools.partial(TraceFormatError, source, line)    # bad(why): this line's error
+    if finite(ts, "timestamp", bad) < 0:
+        raise bad(f"timestamp must be a finite number >= 0, got {ts!r}")
     for name, v in (("input_length", inp), ("output_length", outp)):
         if not _is_int(v) or v < 0:
             raise TraceFormatError(source, line, f"{name} must be an int >= 0, got {v!r}")
@@ -138,15 +142,15 @@ def parse_line(text: str, *, source: str = "<trace>", line: int = 1,
 
 
 def _check_task_fields(extra: dict, source: str, line: int) -> None:
+    bad = functools.partial(TraceFormatError, source, line)
     for name in ("task_id", "parent_task_id"):
         v = extra.get(name)
         if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool) or not str(v)
                               or len(str(v)) > 128):
             raise TraceFormatError(source, line, f"{name} must be a string of 1-128 characters, got {v!r}")
     tool = extra.get("tool_s")
-    if tool is not None and (not isinstance(tool, (int, float)) or isinstance(tool, bool)
-                             or not math.isfinite(tool) or not 0 <= tool < 1e7):
-        raise TraceFormatError(source, line, f"tool_s must be seconds in [0, 1e7), got {tool!r}")
+    if tool is not None and not 0 <= finite(tool, "tool_s", bad) < MAX_TOOL_S:
+        raise bad(f"tool_s must be seconds in [0, {MAX_TOOL_S:g}), got {tool!r}")
     if not isinstance(extra.get("end", False), bool):
         raise TraceFormatError(source, line, f"end must be true or false, got {extra['end']!r}")
     if extra.get("parent_task_id") is not None and extra.get("task_id") is None:

@@ -38,6 +38,7 @@ from typing import Iterator
 
 from kvstore.bench.trace import DECODE_S_PER_TOKEN, TraceRequest
 from kvstore.errors import ConfigError
+from kvstore.identity import finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +62,22 @@ class AgentWorkloadConfig:
     subagent_steps: tuple[int, int] = (1, 3)
 
     def __post_init__(self) -> None:
-        if self.working_set_tokens < 1 or self.duration_s <= 0 or self.block_tokens < 1:
-            raise ConfigError("working_set_tokens, duration_s and block_tokens must be positive")
-        if self.tenants < 1 or self.families < 1:
-            raise ConfigError("tenants and families must be >= 1")
+        """Every field checked by type as well as range: a NaN compares false
+        with everything, so a range check alone would let it through."""
+        _whole("seed", self.seed, lo=None)
+        for name in ("working_set_tokens", "block_tokens", "tenants", "families"):
+            _whole(name, getattr(self, name), lo=1)
+        for name in ("system_prompt_tokens", "tool_desc_tokens"):
+            _whole(name, getattr(self, name), lo=0)
+        if finite(self.duration_s, "duration_s") <= 0:
+            raise ConfigError(f"duration_s must be > 0 seconds, got {self.duration_s!r}")
+        if finite(self.decode_s_per_token, "decode_s_per_token") < 0:
+            raise ConfigError(f"decode_s_per_token must be >= 0, got {self.decode_s_per_token!r}")
+        if not 0.0 <= finite(self.fork_prob, "fork_prob") <= 1.0:
+            raise ConfigError(f"fork_prob must be in [0, 1], got {self.fork_prob!r}")
         for name in ("task_desc_tokens", "steps", "output_tokens", "tool_result_tokens",
                      "tool_pause_s", "subagents", "subagent_steps"):
-            lo, hi = getattr(self, name)
-            if lo < 0 or hi < lo:
-                raise ConfigError(f"{name} must be a range lo <= hi with lo >= 0")
-        if not 0.0 <= self.fork_prob <= 1.0:
-            raise ConfigError("fork_prob must be in [0, 1]")
+            _range(name, getattr(self, name), whole=name != "tool_pause_s")
 
     def mean_task_context(self) -> float:
         """Mean prompt length over a task's calls (what one task slot holds)."""
@@ -79,6 +85,25 @@ class AgentWorkloadConfig:
         base = self.system_prompt_tokens + self.tool_desc_tokens + m(self.task_desc_tokens)
         per_step = m(self.output_tokens) + m(self.tool_result_tokens)
         return base + per_step * (m(self.steps) - 1) / 2
+
+
+def _whole(name: str, value: object, *, lo: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or (lo is not None and value < lo):
+        floor = f" >= {lo}" if lo is not None else ""
+        raise ConfigError(f"{name} must be an int{floor}, got {value!r}")
+
+
+def _range(name: str, value: object, *, whole: bool) -> None:
+    """A (lo, hi) pair with 0 <= lo <= hi: ints, or finite seconds."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ConfigError(f"{name} must be a range (lo, hi), got {value!r}")
+    for end, v in zip(("lo", "hi"), value):
+        if whole:
+            _whole(f"{name} {end}", v, lo=None)
+        else:
+            finite(v, f"{name} {end}")
+    if not 0 <= value[0] <= value[1]:
+        raise ConfigError(f"{name} must be a range lo <= hi with lo >= 0, got {tuple(value)!r}")
 
 
 class _Ids:

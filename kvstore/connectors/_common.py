@@ -34,7 +34,7 @@ from prometheus_client import Histogram
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
-from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.identity import CacheIdentity, KVLayout, finite
 from kvstore.policies.base import check_followup
 from kvstore.stats import LATENCY_BUCKETS
 from kvstore.store.facade import Store
@@ -375,12 +375,14 @@ def request_task(params: Mapping[str, Any] | None, guard: StoreGuard) -> TaskHin
             kind = _TASK_FIELDS[name]
             if v is not None and (not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool)):
                 raise InvalidHint(f"{TASK_PARAM}.{name} has the wrong type")
-        from kvstore.sessions.ledger import check_task_id  # noqa: PLC0415
+        from kvstore.sessions.ledger import MAX_TOOL_S, check_task_id  # noqa: PLC0415
         step = str(raw["step"])
         for v in (raw["id"], step, raw.get("parent"), raw.get("checkpoint"), raw.get("rollback")):
             if v is not None:
                 check_task_id(v)
         tool_s = raw.get("tool_s")
+        if tool_s is not None and not 0 <= finite(tool_s, f"{TASK_PARAM}.tool_s", InvalidHint) < MAX_TOOL_S:
+            raise InvalidHint(f"{TASK_PARAM}.tool_s must be seconds in [0, {MAX_TOOL_S:g}), got {tool_s!r}"[:160])
         return TaskHint(raw["id"], step, raw.get("parent"), None if tool_s is None else float(tool_s),
                         raw.get("checkpoint"), raw.get("rollback"), bool(raw.get("end")))
     except (InvalidHint, KVStoreError) as exc:

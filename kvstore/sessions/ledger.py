@@ -36,11 +36,13 @@ from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
+from kvstore.identity import finite
 
 MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
 MAX_CHECKPOINTS = 256       # per task
 HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
+MAX_TOOL_S = 1e7            # a tool call's expected seconds: under four months (a trace, the wire, a request)
 # A paused task's blocks are prefetched back into the fastest tier this long
 # before its tool is expected back: about what moving a 15K-token context off
 # NVMe takes. Earlier, and the fast tier's churn takes them out again first.
@@ -296,9 +298,10 @@ class SessionLedger:
     def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float, *,
               worth_keeping: bool = True) -> None:
         """``worth_keeping``: whether a reload beats a recompute (see :func:`hold_s`)."""
-        if not isinstance(expected_tool_s, (int, float)) or isinstance(expected_tool_s, bool) \
-                or not 0.0 <= expected_tool_s < 1e7:
-            raise SessionError(f"expected_tool_s must be seconds in [0, 1e7), got {expected_tool_s!r}")
+        # named tool_s in the message: what every caller's data calls it (a trace, the wire, a request's params)
+        if not 0.0 <= finite(expected_tool_s, "tool_s", SessionError) < MAX_TOOL_S:
+            raise SessionError(f"tool_s must be seconds in [0, {MAX_TOOL_S:g}), got {expected_tool_s!r}")
+        finite(now, "now", SessionError)     # a journal's record: a NaN would hold the blocks for ever
         task = self.task(tenant, task_id)
         self._version += 1
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
@@ -414,7 +417,7 @@ def apply(ledger: SessionLedger, call: str, tenant: str, task: str, args: dict) 
     elif call == "rollback":
         return len(ledger.rollback(tenant, task, args.get("name")))  # type: ignore[arg-type]
     elif call == "pause":
-        ledger.pause(tenant, task, float(args.get("now", 0.0)), args.get("tool_s"),  # type: ignore[arg-type]
+        ledger.pause(tenant, task, args.get("now", 0.0), args.get("tool_s"),  # type: ignore[arg-type]
                      worth_keeping=bool(args.get("worth_keeping", True)))
     elif call == "begin":
         ledger.begin(tenant, task, args.get("parent"))
