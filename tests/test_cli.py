@@ -213,7 +213,7 @@ def test_bench_replay_runs_sessions_side_by_side_the_session_rows_on_the_planner
     out = tmp_path / "replay.json"
     r = kvstore("bench", "replay", "--workload", "agent", "--duration", "30", "--working-set", "60K",
                 "--policy", "lru,regime,belady", "--sessions", "both", "--admission", "on",
-                "--json", str(out), "--nvme-path", str(tmp_path))
+                "--json", str(out), "--nvme-path", str(tmp_path), "--wide")
     res = json.loads(out.read_text())
     assert set(res["policies"]) == {"lru", "lru+sessions+admission", "regime", "regime+sessions+admission",
                                     "belady"}

