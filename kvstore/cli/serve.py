@@ -4,88 +4,198 @@ Either ``--config kvstore.toml`` (the config tree: ``[store.*]``, ``[policy]``,
 ``[daemon]``; JSON if the file is ``.json``; else ``$KVSTORE_CONFIG``) or the
 flags below, or both: the ``KVSTORE_*`` environment variables override the
 file, and the flags override both (see :mod:`kvstore.config_load`).
+
+What it prints, on stderr: one start line once every listener accepts
+connections (a script may connect as soon as it sees it), one drain line
+after SIGTERM/SIGINT, or one ``error:`` line (exit 2) naming the flag the
+user typed, or the setting, and the value that failed.
 """
 from __future__ import annotations
 
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvstore.cli.common import SIZE, fail
 from kvstore.errors import KVStoreError
+from kvstore.schema import SectionError, _dotted, without_password
+from kvstore.units import format_size
+
+if TYPE_CHECKING:
+    from kvstore.config import Config
+    from kvstore.daemon.server import Daemon, DrainReport, Holding
+
+PORT = click.IntRange(0, 65535)
+# each flag's place in the config tree, by its parameter name (the flag is
+# --name with dashes): it builds the flags' layer of the tree, and names the
+# flag in an error about that setting
+SETTING_OF_FLAG = {
+    "unix": "daemon.listen.unix_path",
+    "tcp_port": "daemon.listen.tcp_port",
+    "host": "daemon.listen.tcp_host",
+    "metrics_port": "daemon.metrics.port",
+    "dram": "store.dram.capacity_bytes",
+    "nvme": "store.nvme.capacity_bytes",
+    "nvme_path": "store.nvme.path",
+    "redis_url": "store.redis.url",
+    "policy": "policy.name",
+}
+TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 
 
 @click.command("serve")
 @click.option("--config", "config_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Config file: TOML (JSON if .json) with [store.*], [policy] and [daemon] sections.")
-@click.option("--unix", "unix_path", default=None, help="Unix socket path, e.g. /run/kvstore.sock.")
-@click.option("--tcp-port", type=int, default=None, help="Also listen on TCP (127.0.0.1 unless --host).")
-@click.option("--host", "tcp_host", default=None,
+@click.option("--unix", default=None, help="Unix socket path, e.g. /run/kvstore.sock.")
+@click.option("--tcp-port", type=PORT, default=None, help="Also listen on TCP (127.0.0.1 unless --host); 0 picks one.")
+@click.option("--host", default=None,
               help="TCP address [127.0.0.1] (metrics stay on 127.0.0.1 unless daemon.metrics.host says).")
-@click.option("--metrics-port", type=int, default=None, help="HTTP /metrics (Prometheus) and /health.")
-@click.option("--dram", "dram_bytes", default=None,
+@click.option("--metrics-port", type=PORT, default=None, help="HTTP /metrics (Prometheus) and /health.")
+@click.option("--dram", type=SIZE, default=None,
               help="DRAM tier size, e.g. 8GiB. Only the tiers given exist (with none: DRAM 1GiB).")
-@click.option("--nvme", "nvme_bytes", default=None, help="NVMe tier size, e.g. 200GiB (with --nvme-path).")
-@click.option("--nvme-path", default=None, help="NVMe tier directory.")
+@click.option("--nvme", type=SIZE, default=None, help="NVMe tier size, e.g. 200GiB (with --nvme-path).")
+@click.option("--nvme-path", default=None, help="NVMe tier directory (made if missing).")
 @click.option("--redis-url", default=None, help="Redis L3 behind the daemon.")
 @click.option("--policy", default=None, type=click.Choice(["default", "regime", "write-through"]),
               help="Placement policy (policy.name).")
 @click.option("--tenant", "tenants", multiple=True, metavar="NAME:TOKEN[:QUOTA]",
-              help="A tenant, its token and optional quota (repeatable). None: one anonymous tenant.")
-def serve_command(config_path, unix_path, tcp_port, tcp_host, metrics_port, dram_bytes, nvme_bytes,
-                  nvme_path, redis_url, policy, tenants) -> None:
+              help="A tenant, its token (8+ characters) and optional quota (repeatable). None: one anonymous "
+                   "tenant.")
+def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: Any) -> None:
     """Run the shared cache daemon until SIGTERM/SIGINT, then drain gracefully."""
     from kvstore.config_load import load_config  # noqa: PLC0415
+    from kvstore.daemon.config import SettingUnusable  # noqa: PLC0415
     from kvstore.daemon.server import serve  # noqa: PLC0415
 
+    typed = {name for name, value in flags.items() if value is not None}
     try:
-        flags = _flag_tree(unix_path=unix_path, tcp_port=tcp_port, tcp_host=tcp_host, metrics_port=metrics_port,
-                           dram_bytes=dram_bytes, nvme_bytes=nvme_bytes, nvme_path=nvme_path,
-                           redis_url=redis_url, policy=policy, tenants=tenants)
-        cfg = load_config(config_path, flags)
+        cfg = load_config(config_path, _flag_tree(flags, _tenant_specs(tenants)))
         cfg.check_servable()
-        listen = cfg.daemon.listen
-        click.echo(f"kvstore serve: unix={listen.unix_path} tcp={listen.tcp_port} metrics={cfg.daemon.metrics.port} "
-                   f"tiers={', '.join(cfg.store.tiers())} policy={cfg.policy.name}", err=True)
-        serve(cfg)
+        report = serve(cfg, ready=lambda daemon: click.echo(start_line(daemon), err=True))
+        click.echo(drain_line(report, cfg), err=True)
+    except SettingUnusable as exc:
+        fail(KVStoreError(f"{_setting_named(exc.setting, typed)} {exc.value}: {exc.reason}"))
+    except SectionError as exc:
+        fail(KVStoreError("; ".join(f"{_setting_named(_dotted(loc), typed)}: {msg}" if loc else msg
+                                    for loc, msg in exc.items)))
     except (KVStoreError, OSError, ValueError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        fail(exc)
 
 
-def _flag_tree(*, unix_path, tcp_port, tcp_host, metrics_port, dram_bytes, nvme_bytes, nvme_path,
-               redis_url, policy, tenants) -> dict[str, Any]:
+def _flag_tree(flags: dict[str, Any], tenants: list[dict[str, Any]]) -> dict[str, Any]:
     """The flags given, as a layer of the config tree."""
     tree: dict[str, Any] = {}
-
-    def put(path: str, value: Any) -> None:
-        if value is None:
-            return
-        *sections, leaf = path.split(".")
-        node = tree
-        for name in sections:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-
-    put("store.dram.capacity_bytes", dram_bytes)
-    put("store.nvme.capacity_bytes", nvme_bytes)
-    put("store.nvme.path", nvme_path)
-    put("store.redis.url", redis_url)
-    put("policy.name", policy)
-    put("daemon.listen.unix_path", unix_path)
-    put("daemon.listen.tcp_port", tcp_port)
-    put("daemon.listen.tcp_host", tcp_host)
-    put("daemon.metrics.port", metrics_port)
+    for name, value in flags.items():
+        if value is not None:
+            *sections, leaf = SETTING_OF_FLAG[name].split(".")
+            node = tree
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = value
     if tenants:
-        put("daemon.tenants", [_tenant(t) for t in tenants])
+        tree.setdefault("daemon", {})["tenants"] = tenants
     return tree
 
 
-def _tenant(text: str) -> dict:
-    parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise KVStoreError(f"--tenant takes NAME:TOKEN[:QUOTA], got {len(parts)} fields for tenant {parts[0]!r}")
-    out = {"name": parts[0], "token": parts[1]}
-    if len(parts) == 3:
-        out["quota_bytes"] = parts[2]
-    return out
+def _setting_named(setting: str, typed: set[str]) -> str:
+    """A setting as the user knows it: the flag they typed, else the tree's
+    path (with the flag that would set it, if there is one)."""
+    flag = next((name for name, path in SETTING_OF_FLAG.items() if path == setting), None)
+    if flag is None:
+        return setting
+    shown = "--" + flag.replace("_", "-")
+    return shown if flag in typed else f"{setting} ({shown})"
+
+
+def _tenant_specs(texts: tuple[str, ...]) -> list[dict[str, Any]]:
+    """``--tenant NAME:TOKEN[:QUOTA]`` each, validated by the daemon section
+    itself, so an error names ``--tenant`` and the tenant, not the tree's path."""
+    from kvstore.daemon.config import DaemonConfig  # noqa: PLC0415
+
+    specs = []
+    for text in texts:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise KVStoreError(f"--tenant {parts[0]}: takes NAME:TOKEN[:QUOTA], got {len(parts)} fields")
+        specs.append(dict(zip(("name", "token", "quota_bytes"), parts)))
+    try:
+        DaemonConfig.from_dict({"tenants": specs})
+    except SectionError as exc:
+        raise KVStoreError("; ".join(_tenant_failure(loc, msg, specs) for loc, msg in exc.items)) from None
+    return specs
+
+
+def _tenant_failure(loc: tuple, msg: str, specs: list[dict[str, Any]]) -> str:
+    if len(loc) >= 2 and loc[0] == "tenants" and isinstance(loc[1], int):
+        field = {"quota_bytes": "quota"}.get(_dotted(loc[2:]), _dotted(loc[2:]))   # the flag's word for it
+        return f"--tenant {specs[loc[1]]['name']}: {field + ' ' if field else ''}{msg}"
+    return f"--tenant: {msg}"
+
+
+# -- what it says -----------------------------------------------------------------
+def start_line(daemon: Daemon) -> str:
+    """``kvstore serve: listening on unix ./kv.sock, tcp 127.0.0.1:7070; metrics
+    127.0.0.1:9100; tiers DRAM 8.0 GiB, NVMe 200.0 GiB at /var/lib/kvstore;
+    policy default; 2 tenants``: where it listens (the ports bound, if 0 was
+    asked), the tiers configured and nothing else, and what it found on disk."""
+    cfg = daemon.tree
+    listen = cfg.daemon.listen
+    where = ([f"unix {listen.unix_path}"] if listen.unix_path else []) + \
+        ([f"tcp {_host_port(listen.tcp_host, daemon.tcp_port)}"] if daemon.tcp_port is not None else [])
+    parts = ["listening on " + ", ".join(where)]
+    if daemon.metrics is not None:
+        parts.append(f"metrics {_host_port(cfg.daemon.metrics.host, daemon.metrics.port)}")
+    parts.append("tiers " + ", ".join(_tier_text(cfg, kind) for kind in cfg.store.tiers()))
+    parts.append(f"policy {cfg.policy.name}")
+    n = len(cfg.daemon.tenants)
+    parts.append(f"{n} tenant{_s(n)}" if n else "no tenants (every client is the anonymous one, no token)")
+    found = [h for h in daemon.holdings() if h.persistent and h.blocks]
+    if found:
+        parts.append("found " + ", ".join(f"{_blocks(h)} on {_label(h.tier)}" for h in found))
+    return "kvstore serve: " + "; ".join(parts)
+
+
+def drain_line(report: DrainReport, cfg: Config) -> str:
+    """``kvstore serve: drained: 3 in-flight requests finished, 120 blocks
+    (240.0 MiB) flushed to NVMe, holding 1,204 blocks (2.3 GiB) on NVMe; bye``."""
+    parts = [f"{report.finished:,} in-flight request{_s(report.finished)} finished"]
+    if report.cut_off:
+        parts.append(f"{report.cut_off:,} cut off after {cfg.daemon.drain_timeout_s:g} s")
+    kept = [h for h in report.held if h.persistent]
+    if kept:
+        into = report.flushed_to or (kept[0].tier,)
+        flushed = f"{report.flushed_blocks:,} block{_s(report.flushed_blocks)} ({format_size(report.flushed_bytes)})"
+        parts.append(f"{flushed} flushed to {' and '.join(_label(t) for t in into)}")
+        parts.append("holding " + ", ".join(f"{_blocks(h)} on {_label(h.tier)}" for h in kept))
+    elif any(h.blocks for h in report.held):
+        dropped = ", ".join(f"{_blocks(h)} in {_label(h.tier)}" for h in report.held if h.blocks)
+        parts.append(f"{dropped} dropped (no NVMe or Redis tier to keep them)")
+    else:
+        parts.append("nothing held")
+    return "kvstore serve: drained: " + ", ".join(parts) + "; bye"
+
+
+def _tier_text(cfg: Config, kind: str) -> str:
+    section = getattr(cfg.store, kind)
+    text = f"{TIER_LABELS[kind]} {format_size(section.capacity_bytes)}"
+    if kind == "nvme":
+        text += f" at {section.path}"
+    elif kind == "redis":
+        text += f" at {without_password(section.url)}"
+    return text
+
+
+def _host_port(host: str, port: int | None) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _blocks(h: Holding) -> str:
+    return f"{h.blocks:,} block{_s(h.blocks)} ({format_size(h.nbytes)})"
+
+
+def _label(tier: str) -> str:
+    return TIER_LABELS.get(tier, tier)
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"

@@ -30,6 +30,17 @@ def _octal(value: object) -> object:
     return value
 
 
+class SettingUnusable(ConfigError):
+    """A valid setting the daemon could not use: a socket path it cannot bind,
+    a port in use, a directory it cannot create. ``setting`` is its path in
+    the tree (``daemon.listen.unix_path``), so ``kvstore serve`` can name the
+    flag the user typed instead; ``reason`` says what went wrong, without the path."""
+
+    def __init__(self, setting: str, value: object, reason: str) -> None:
+        self.setting, self.value, self.reason = setting, value, reason
+        super().__init__(f"{setting} {value}: {reason}")
+
+
 class TenantSpec(Section):
     """One tenant (``[[daemon.tenants]]``). ``admin``: may read the whole
     store's stats and metrics (other tenants appear as opaque labels); a plain
@@ -111,8 +122,8 @@ class DaemonConfig(Section):
     def check_servable(self) -> None:
         """What ``kvstore serve`` needs beyond a valid section: somewhere to listen."""
         if not self.listen.unix_path and self.listen.tcp_port is None:
-            raise ConfigError("daemon.listen: give a Unix socket (--unix PATH, daemon.listen.unix_path) "
-                              "and/or a TCP port (--tcp-port P, daemon.listen.tcp_port)")
+            raise ConfigError("nowhere to listen: give --unix PATH or --tcp-port PORT "
+                              "(daemon.listen.unix_path / tcp_port in a config file)")
 
 
 class RemoteConfig(Section):

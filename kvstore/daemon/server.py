@@ -41,8 +41,10 @@ import socket
 import stat
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from kvstore.config import Config
+from kvstore.daemon.config import SettingUnusable
 from kvstore.daemon.conn import Conn
 from kvstore.daemon.metrics import MetricsServer, daemon_registry
 from kvstore.daemon.ops import Handlers, Reply
@@ -60,7 +62,7 @@ from kvstore.daemon.protocol import (
 )
 from kvstore.daemon.shm import peer_credentials, send_with_fds
 from kvstore.daemon.tenants import Tenant, TenantTable, load_key_secret
-from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
+from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
@@ -70,6 +72,31 @@ _FD_RESERVE = 64             # descriptors kept for the store, the metrics serve
 _SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
 _KEEP_SCRATCH = 64 << 20     # a receive buffer up to this size is kept for the next request (a batch)
 _DISCARD_META = 64 << 20     # a tenant's oversize metadata up to this is read past (typed error), not fatal
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one tier holds: blocks and their bytes (as put, before any compression)."""
+
+    tier: str
+    persistent: bool
+    blocks: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What :meth:`Daemon.drain` did: the requests it waited for (``finished``)
+    or cut off after ``drain_timeout_s`` (``cut_off``), the blocks it wrote
+    from volatile tiers down to persistent ones (``flushed_*``, into the tiers
+    ``flushed_to``), and what each tier held once flushed."""
+
+    finished: int
+    cut_off: int
+    flushed_blocks: int
+    flushed_bytes: int
+    flushed_to: tuple[str, ...]
+    held: tuple[Holding, ...]
 
 
 class Daemon:
@@ -106,11 +133,12 @@ class Daemon:
     async def start(cls, config: Config, store: TieredStore | None = None) -> Daemon:
         """Open the store (unless given), count what each tenant holds, listen."""
         config.check_servable()
-        secret = load_key_secret(config)
+        if config.store.nvme is not None and store is None:
+            _usable_dir(config.store.nvme.path, "store.nvme.path")
+        secret = _key_secret(config)
         _raise_fd_limit()
         if store is None:
-            from kvstore.store.factory import build_store  # noqa: PLC0415 - imports every configured tier
-            store = await build_store(config)
+            store = await _open_store(config)
         self = cls(config, store, secret)
         counted = self.tenants.rebuild(store.iter_owners())
         try:
@@ -118,11 +146,12 @@ class Daemon:
             if listen.unix_path:
                 self._listen(_unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
             if listen.tcp_port is not None:
-                sock = socket.create_server((listen.tcp_host, listen.tcp_port), reuse_port=False)
+                sock = _tcp_listener(listen.tcp_host, listen.tcp_port,
+                                     ("daemon.listen.tcp_host", "daemon.listen.tcp_port"))
                 self.tcp_port = sock.getsockname()[1]
                 self._listen(sock, self._admit, _shed)
             if metrics_at.port is not None:
-                sock = socket.create_server((metrics_at.host, metrics_at.port), reuse_port=False)
+                sock = _tcp_listener(metrics_at.host, metrics_at.port, ("daemon.metrics.host", "daemon.metrics.port"))
                 self.metrics = metrics = MetricsServer(sock, self)
                 # out of descriptors, a scrape is still served, on the spare one
                 self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
@@ -134,6 +163,17 @@ class Daemon:
                  "against %d tenants", config.daemon.listen.unix_path, self.tcp_port,
                  self.metrics.port if self.metrics else None, counted, len(self.tenants.by_name))
         return self
+
+    def holdings(self) -> tuple[Holding, ...]:
+        """What each tier holds now, fastest tier first (one pass over each tier's index)."""
+        out = []
+        for tier, name in zip(self.store.tiers, self.store.names):
+            blocks = nbytes = 0
+            for _key, _owner, raw in tier.iter_owners():
+                blocks += 1
+                nbytes += raw
+            out.append(Holding(name, tier.persistent, blocks, nbytes))
+        return tuple(out)
 
     def tenant_label(self, tenant: Tenant) -> str:
         return tenant.name if self.config.metrics.tenant_names else tenant.label
@@ -396,33 +436,60 @@ class Daemon:
         for task in self._accepts:
             task.cancel()
         await asyncio.gather(*self._accepts, return_exceptions=True)
+        bound_unix = any(sock.family == socket.AF_UNIX for sock in self._listeners)
         for sock in self._listeners:
             sock.close()
-        if self.config.listen.unix_path:
+        if bound_unix and self.config.listen.unix_path:   # never another daemon's, found serving there
             with contextlib.suppress(OSError):
                 os.unlink(self.config.listen.unix_path)
         if self.metrics is not None:
             await self.metrics.close()
 
-    async def drain(self) -> None:
+    async def drain(self) -> DrainReport:
         """Stop accepting, let in-flight requests finish (up to
-        ``drain_timeout_s``), close idle connections, flush and close the store."""
+        ``drain_timeout_s``), close idle connections, flush and close the
+        store; say what that took."""
         self.draining = True
         await self._close_listeners()
+        in_flight = self._busy
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
         except TimeoutError:
             log.warning("drain: %d request(s) still running after %.1fs; closing anyway",
                         self._busy, self.config.drain_timeout_s)
+        cut_off = self._busy
         tasks = list(self._conns)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.store.aclose()
-        if self._spare_fd >= 0:
-            os.close(self._spare_fd)
-            self._spare_fd = -1
-        log.info("kvstore daemon drained")
+        try:
+            flushed = await self._flush()
+            held = self.holdings()
+        finally:
+            await self.store.aclose()   # its own flush finds nothing left to write
+            if self._spare_fd >= 0:
+                os.close(self._spare_fd)
+                self._spare_fd = -1
+        report = DrainReport(finished=in_flight - cut_off, cut_off=cut_off, flushed_blocks=flushed[0],
+                             flushed_bytes=flushed[1], flushed_to=flushed[2], held=held)
+        log.info("kvstore daemon drained: %s", report)
+        return report
+
+    async def _flush(self) -> tuple[int, int, tuple[str, ...]]:
+        """Write what only volatile tiers hold down to persistent ones: (blocks,
+        bytes, the tiers written to), counted by the store's per-tier write counters."""
+        persistent = [name for tier, name in zip(self.store.tiers, self.store.names) if tier.persistent]
+
+        def written() -> dict[str, tuple[int, int]]:
+            counters = {name: self.store.stats.tier(name) for name in persistent}
+            return {name: (c.puts, c.bytes_written) for name, c in counters.items()}
+
+        before = written()
+        await self.store.aflush()
+        after = written()
+        into = tuple(name for name in persistent if after[name][0] > before[name][0])
+        return (sum(after[n][0] - before[n][0] for n in persistent),
+                sum(after[n][1] - before[n][1] for n in persistent), into)
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -460,14 +527,14 @@ def _unix_listener(path: str, mode: int) -> socket.socket:
         st = None
     if st is not None:
         if not stat.S_ISSOCK(st.st_mode):
-            raise KVStoreError(f"--unix {path}: exists and is not a socket")
+            raise SettingUnusable("daemon.listen.unix_path", path, "exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
         except OSError:
             os.unlink(path)  # nobody listens: a stale file from a crashed daemon
         else:
-            raise KVStoreError(f"--unix {path}: another daemon is serving there")
+            raise SettingUnusable("daemon.listen.unix_path", path, "another daemon is serving there")
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -477,8 +544,68 @@ def _unix_listener(path: str, mode: int) -> socket.socket:
         sock.listen(256)
     except OSError as exc:
         sock.close()
-        raise KVStoreError(f"--unix {path}: {exc.strerror or exc}") from exc
+        raise SettingUnusable("daemon.listen.unix_path", path, f"cannot listen there: {_why(exc)}") from exc
     return sock
+
+
+def _tcp_listener(host: str, port: int, settings: tuple[str, str]) -> socket.socket:
+    """A TCP listener on ``host:port``; a failure names the setting at fault,
+    ``settings`` = (the host's, the port's): the host when it does not resolve
+    or is not this machine's, else the port (taken, or privileged)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as exc:
+        if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            raise SettingUnusable(settings[0], host, f"cannot listen there: {_why(exc)}") from exc
+        raise SettingUnusable(settings[1], port, _why(exc).lower()) from exc
+
+
+def _usable_dir(path: str, setting: str) -> None:
+    """Make the directory ``path`` or say why it cannot be. A read-only one is
+    used as it is (the NVMe tier serves what it holds and refuses puts)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise SettingUnusable(setting, path, "cannot use it: not a directory") from None
+    except OSError as exc:
+        raise SettingUnusable(setting, path, f"cannot create it: {_why(exc)}") from exc
+
+
+def _key_secret(config: Config) -> bytes:
+    """``load_key_secret``, with a failure naming the directory it is kept in."""
+    try:
+        return load_key_secret(config)
+    except OSError as exc:
+        setting = "daemon.state_dir" if config.daemon.state_dir else "store.nvme.path"
+        raise SettingUnusable(setting, config.state_path, f"cannot keep the key secret there: {_why(exc)}") from exc
+
+
+async def _open_store(config: Config) -> TieredStore:
+    """The configured store; an OS error inside the NVMe directory names that setting."""
+    from kvstore.store.factory import build_store  # noqa: PLC0415 - imports every configured tier
+    try:
+        return await build_store(config)
+    except ConfigError as exc:
+        cause, nvme = exc.__cause__, config.store.nvme
+        if isinstance(cause, OSError) and nvme is not None and _inside(cause.filename, nvme.path):
+            raise SettingUnusable("store.nvme.path", nvme.path, f"cannot use it: {_why(cause)}") from exc
+        raise
+
+
+def _inside(filename: object, directory: str) -> bool:
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    path, top = os.path.abspath(os.fsdecode(filename)), os.path.abspath(directory)
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _why(exc: OSError) -> str:
+    """An OS error's reason without the errno and the path (the caller names
+    the setting; socket.create_server appends the address to its strerror)."""
+    if exc.errno is not None and exc.errno > 0 and not isinstance(exc, socket.gaierror):
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 def _shed(sock: socket.socket, done: Callable[[], None]) -> None:
@@ -526,10 +653,11 @@ def _open_fds() -> int:
 
 
 # -- entry point ------------------------------------------------------------------------
-def serve(config: Config, ready: Callable[[Daemon], None] | None = None) -> None:
-    """Run the daemon until SIGTERM or SIGINT, then drain. Blocking; call
-    from the main thread (signal handlers). ``ready`` runs once it listens."""
-    async def main() -> None:
+def serve(config: Config, ready: Callable[[Daemon], None] | None = None) -> DrainReport:
+    """Run the daemon until SIGTERM or SIGINT, then drain; returns what the
+    drain did. Blocking; call from the main thread (signal handlers).
+    ``ready`` runs once every listener accepts connections."""
+    async def main() -> DrainReport:
         daemon = await Daemon.start(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -538,6 +666,6 @@ def serve(config: Config, ready: Callable[[Daemon], None] | None = None) -> None
         if ready is not None:
             ready(daemon)
         await stop.wait()
-        await daemon.drain()
+        return await daemon.drain()
 
-    asyncio.run(main())
+    return asyncio.run(main())

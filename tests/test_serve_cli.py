@@ -1,0 +1,240 @@
+"""``kvstore serve`` as its user sees it: the start line (once it listens,
+sizes in human units, only the tiers configured), the drain line after
+SIGTERM (requests finished, blocks flushed to NVMe, blocks held) and the
+errors (the flag the user typed and the value that failed, exit 2, one line).
+
+The daemon runs as a real process on a temp dir; errors that happen before
+it serves go through click's runner.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvstore.cli.main import main
+from kvstore.config import Config, StoreConfig
+from kvstore.daemon.client import RemoteConfig, RemoteStore
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.server import Daemon
+from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.keys import block_keys
+from kvstore.outcomes import PutOutcome
+from kvstore.units import format_size
+
+pytestmark = pytest.mark.timeout(60)
+
+IDENT = CacheIdentity("serve-cli-test", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64,
+                                                 block_tokens=16, dtype="float16"))
+BB = IDENT.layout.block_bytes
+TOKEN = "token-team-a-1"
+
+
+def blocks(seed: int, n: int) -> tuple[list, list[np.ndarray]]:
+    keys = block_keys(IDENT, range(seed, seed + 16 * n))
+    rng = np.random.default_rng(seed)
+    return keys, [rng.integers(0, 256, BB, dtype=np.uint8) for _ in keys]
+
+
+class Serving:
+    """``kvstore serve ARGS`` in ``cwd``; its stderr read line by line on a thread."""
+
+    def __init__(self, cwd: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args], cwd=cwd,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def line(self, timeout_s: float = 30.0) -> str:
+        got = self.lines.get(timeout=timeout_s)
+        assert got is not None, f"kvstore serve exited {self.proc.wait(5)} without saying more"
+        return got
+
+    def stop(self) -> tuple[int, list[str]]:
+        """SIGTERM; the exit status and every line said after it."""
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(30)
+        rest = []
+        while (got := self.lines.get(timeout=5)) is not None:
+            rest.append(got)
+        return rc, rest
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def serve_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["serve", *args])
+    return result.exit_code, result.output
+
+
+def test_start_line_once_listening_then_drain_line_with_what_was_flushed_and_held(tmp_path):
+    args = ("--unix", "kv.sock", "--dram", "64MiB", "--nvme", "256MiB", "--nvme-path", "nvme",
+            "--tenant", f"teamA:{TOKEN}:1GiB")
+    d = Serving(tmp_path, *args)
+    try:
+        start = d.line()
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(str(tmp_path / "kv.sock"))      # listening the moment the line appears
+        probe.close()
+        assert start == ("kvstore serve: listening on unix kv.sock; tiers DRAM 64.0 MiB, "
+                         "NVMe 256.0 MiB at nvme; policy default; 1 tenant")
+        keys, data = blocks(1, 6)
+        with RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'kv.sock'}", token=TOKEN, shm=False)) as c:
+            assert c.put(IDENT, keys, data) == [PutOutcome.STORED] * 6
+            assert c.lookup(keys).tiers == ["dram"] * 6      # in DRAM only, until the drain
+        rc, rest = d.stop()
+    finally:
+        d.kill()
+    held = f"6 blocks ({format_size(6 * BB)})"
+    assert rc == 0
+    assert rest == [f"kvstore serve: drained: 0 in-flight requests finished, {held} flushed to NVMe, "
+                    f"holding {held} on NVMe; bye"]
+    assert not (tmp_path / "kv.sock").exists()
+
+    again = Serving(tmp_path, *args)     # a restart says what it found
+    try:
+        assert again.line().endswith(f"; 1 tenant; found {held} on NVMe")
+        rc, rest = again.stop()
+    finally:
+        again.kill()
+    assert rc == 0 and rest == [f"kvstore serve: drained: 0 in-flight requests finished, 0 blocks (0 B) "
+                                f"flushed to NVMe, holding {held} on NVMe; bye"]
+
+
+def test_start_line_names_bound_ports_and_no_tier_not_configured(tmp_path):
+    d = Serving(tmp_path, "--unix", "kv.sock", "--tcp-port", "0", "--metrics-port", "0", "--dram", "96MiB")
+    try:
+        start = d.line()
+        tcp = int(start.split("tcp 127.0.0.1:")[1].split(";")[0])
+        metrics = int(start.split("metrics 127.0.0.1:")[1].split(";")[0])
+        socket.create_connection(("127.0.0.1", tcp), timeout=5).close()
+        socket.create_connection(("127.0.0.1", metrics), timeout=5).close()
+        assert start == (f"kvstore serve: listening on unix kv.sock, tcp 127.0.0.1:{tcp}; metrics 127.0.0.1:"
+                         f"{metrics}; tiers DRAM 96.0 MiB; policy default; no tenants (every client is the "
+                         "anonymous one, no token)")
+        assert tcp > 0 and metrics > 0 and "Redis" not in start and str(96 << 20) not in start
+
+        code, out = serve_cli("--unix", str(tmp_path / "kv.sock"))   # a second daemon on the same socket
+        assert code == 2
+        assert out == f"error: --unix {tmp_path / 'kv.sock'}: another daemon is serving there\n"
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(str(tmp_path / "kv.sock"))      # and the first one's socket is left alone
+        probe.close()
+        rc, rest = d.stop()
+    finally:
+        d.kill()
+    assert rc == 0
+    assert rest == ["kvstore serve: drained: 0 in-flight requests finished, nothing held; bye"]
+
+
+def test_drain_counts_requests_it_waited_for_and_ones_it_cut_off(tmp_path):
+    """In process, with the store's put held up: the report the drain line is made from."""
+    for timeout_s, finished, cut_off in ((10.0, 1, 0), (0.2, 0, 1)):
+        cfg = Config(store=StoreConfig.from_dict({"dram": {"capacity_bytes": "1MiB"}}),
+                     daemon=DaemonConfig(listen={"unix_path": str(tmp_path / f"kv{cut_off}.sock")},
+                                         drain_timeout_s=timeout_s))
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        daemon = asyncio.run_coroutine_threadsafe(Daemon.start(cfg), loop).result(20)
+        entered, release = threading.Event(), threading.Event()
+        real = daemon.store.aput
+
+        async def held_put(*a, **kw):
+            entered.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+            return await real(*a, **kw)
+
+        daemon.store.aput = held_put
+        c = RemoteStore(RemoteConfig(url=f"unix://{cfg.daemon.listen.unix_path}", shm=False))
+        try:
+            c.put_async(IDENT, *blocks(2, 2))
+            assert entered.wait(10)
+            drain = asyncio.run_coroutine_threadsafe(daemon.drain(), loop)
+            time.sleep(0.4)
+            release.set()
+            report = drain.result(20)
+        finally:
+            release.set()
+            c.close()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+        assert (report.finished, report.cut_off) == (finished, cut_off)
+        assert [h.tier for h in report.held] == ["dram"] and report.flushed_to == ()
+
+
+@pytest.mark.parametrize("args, said", [
+    ((), "error: nowhere to listen: give --unix PATH or --tcp-port PORT "
+         "(daemon.listen.unix_path / tcp_port in a config file)"),
+    (("--unix", "/nonexistent/dir/x.sock"),
+     "error: --unix /nonexistent/dir/x.sock: cannot listen there: No such file or directory"),
+    (("--unix", "kv.sock", "--tenant", "teamA:TOKEN_A:50GiB"),
+     "error: --tenant teamA: token must have at least 8 characters (got hidden)"),
+    (("--unix", "kv.sock", "--tenant", "teamA:token-team-a-1:lots"),
+     "error: --tenant teamA: quota not a size: 'lots' (try 4096, 512KiB, 2MiB, 8GiB)"),
+    (("--unix", "kv.sock", "--tenant", "a:token-aaaa", "--tenant", "a:token-bbbb"),
+     "error: --tenant: tenant names and tokens must be unique"),
+    (("--unix", "kv.sock", "--tenant", "a:b:c:d"), "error: --tenant a: takes NAME:TOKEN[:QUOTA], got 4 fields"),
+    (("--unix", "kv.sock", "--dram", "0"), "error: --dram: must be >= 4096 (got 0)"),
+    (("--unix", "kv.sock", "--nvme", "1GiB"), "error: store.nvme.path (--nvme-path): required"),
+    (("--unix", "kv.sock", "--tcp-port", "0", "--host", "nonexistent.invalid"),
+     "error: --host nonexistent.invalid: cannot listen there: Name or service not known"),
+])
+def test_errors_name_the_flag_and_the_value(tmp_path, monkeypatch, args, said):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVSTORE_CONFIG", raising=False)
+    code, out = serve_cli(*args)
+    assert (code, out) == (2, said + "\n")
+    assert not (tmp_path / "kv.sock").exists()
+
+
+def test_nvme_path_that_cannot_be_a_directory_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    for path, why in ((tmp_path / "file", "cannot use it: not a directory"),
+                      (tmp_path / "file" / "sub", "cannot create it: Not a directory")):
+        code, out = serve_cli("--unix", str(tmp_path / "kv.sock"), "--nvme", "64MiB", "--nvme-path", str(path))
+        assert (code, out) == (2, f"error: --nvme-path {path}: {why}\n")
+
+
+def test_ports_in_use_are_named_and_nothing_is_left_bound(tmp_path):
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    sock = tmp_path / "kv.sock"
+    try:
+        for flag in ("--tcp-port", "--metrics-port"):
+            code, out = serve_cli("--unix", str(sock), flag, str(port))
+            assert (code, out) == (2, f"error: {flag} {port}: address already in use\n")
+            assert not sock.exists()        # the socket it had bound is gone again
+        cfg = tmp_path / "kv.json"          # from a config file: the setting, and the flag that would set it
+        cfg.write_text(f'{{"daemon": {{"listen": {{"unix_path": "{sock}", "tcp_port": {port}}}}}}}')
+        code, out = serve_cli("--config", str(cfg))
+        assert (code, out) == (2, f"error: daemon.listen.tcp_port (--tcp-port) {port}: address already in use\n")
+    finally:
+        taken.close()
+
+
+@pytest.mark.parametrize("flag, value", [("--tcp-port", "-1"), ("--tcp-port", "65536"), ("--metrics-port", "99999")])
+def test_ports_out_of_range_are_refused_by_the_flag(tmp_path, flag, value):
+    code, out = serve_cli("--unix", str(tmp_path / "kv.sock"), flag, value)
+    assert code == 2
+    assert f"Invalid value for '{flag}': {value} is not in the range 0<=x<=65535." in out
+    assert "Traceback" not in out
