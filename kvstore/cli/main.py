@@ -8,11 +8,11 @@ import click
 
 from kvstore import settings
 from kvstore.cli.common import fail as _fail
-from kvstore.errors import KVStoreError
+from kvstore.errors import DISTRIBUTION, KVStoreError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvstore")
+@click.version_option(package_name=DISTRIBUTION)
 def main() -> None:
     """kvstore: a tiered KV-cache store for LLM inference (HBM, DRAM, NVMe, Redis)."""
     logging.basicConfig(level=settings.load().log_level, format="%(levelname)s %(name)s: %(message)s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -27,7 +28,10 @@ from kvstore.bench.vllm_bench import (
     make_row,
 )
 from kvstore.errors import ConfigError, MissingDependency
+from tests import readme_blocks
 from tests.connectors.test_vllm import vllm_python
+
+THIS_FILE = "tests/bench/test_vllm_bench.py"
 
 
 def sample(token=7, logprob=-1.5, ttft=1.0, cached=0) -> dict:
@@ -94,6 +98,20 @@ def test_an_interpreter_without_vllm_is_a_clear_error(tmp_path):
         find_vllm_python(sys.executable)
 
 
+def readme_command(out) -> list[str]:
+    """The README's `kvstore bench vllm` line, made small by its marker's substitutions: the
+    README's command is the one this test runs, so it cannot drift."""
+    (block,) = [b for b in readme_blocks.blocks() if b.kind == "run-by" and b.arg == THIS_FILE]
+    argv = shlex.split(block.substituted({"out": str(out)}))
+    assert argv[:3] == ["kvstore", "bench", "vllm"], argv
+    return [sys.executable, "-m", "kvstore", *argv[1:]]
+
+
+def test_the_readme_line_is_the_one_this_file_runs(tmp_path):
+    argv = readme_command(tmp_path / "out.json")
+    assert "--peer" in argv and "lmcache" in argv and argv[-1] == str(tmp_path / "out.json")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
@@ -103,11 +121,8 @@ def test_small_run_beside_lmcache_matches_plain_and_hits_in_every_warm_row(tmp_p
         pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
     out = tmp_path / "out.json"
     env = dict(os.environ, KVSTORE_CACHE_DIR=str(tmp_path / "cache"))   # the model is built anew
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvstore", "bench", "vllm", "--peer", "lmcache", "--prompts", "2",
-         "--prompt-tokens", "512", "--layers", "2", "--hidden", "128", "--vllm-python", py,
-         "--json", str(out)], capture_output=True, text=True, env=env,
-        timeout=1400)
+    proc = subprocess.run(readme_command(out) + ["--vllm-python", py], capture_output=True, text=True,
+                          env=env, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["problems"] == []
