@@ -102,7 +102,8 @@ class Config(Section):
     def _policy_fits_store(self) -> Config:
         if self.policy.name == "write-through" and self.store.remote is None \
                 and self.store.nvme is None and self.store.redis is None:
-            raise ValueError("policy.name: write-through needs a persistent tier (store.nvme or store.redis)")
+            raise ValueError("policy.name: write-through needs a persistent tier (store.nvme or store.redis; "
+                             "kvstore serve: --nvme SIZE --nvme-path DIR, or --redis-url URL)")
         return self
 
     def check_servable(self) -> None:

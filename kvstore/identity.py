@@ -16,11 +16,11 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from kvstore.errors import ConfigError
+from kvstore.units import cut, finite, shown
 
 SCHEMA = "kvstore-identity/1"
 
@@ -32,42 +32,6 @@ DTYPE_BYTES = {
 }
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "sliding_window")
 KEY_HASHES = ("sha256", "xxh3_128")
-
-
-def finite(value: object, name: str, error: Callable[[str], Exception] = ConfigError) -> float:
-    """``value`` as a float if it is a real number: not a bool (JSON's true is
-    not 1), not NaN, not +-inf (JSON's NaN / Infinity literals, which Python's
-    json reads, and 1e999 parse to those; TOML has nan and inf). Anything else
-    raises ``error(message naming name)``. The one check of a number read
-    from a file, a trace, a config object or the wire; ranges stay with the
-    caller. It lives here because this module, which reads the identity's
-    numbers, imports nothing of kvstore's but its errors."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:           # an int too large for a float
-            number = math.inf
-        if math.isfinite(number):
-            return number
-        raise error(f"{name} must be a finite number, got {shown(value)}")
-    raise error(f"{name} must be a number, got {shown(value)}")
-
-
-def shown(value: object, limit: int = 40) -> str:
-    """A value for a message as the file wrote it (JSON: null, true, NaN),
-    cut to ``limit`` characters."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):     # not a JSON value (a Python caller's object), or an int too long
-        try:
-            text = repr(value)
-        except Exception:   # noqa: BLE001 - a hostile __repr__
-            text = f"a {type(value).__name__}"
-    return _cut(text, limit)
-
-
-def _cut(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -284,14 +248,14 @@ def _extra_pairs(extra: object) -> tuple[tuple[str, str], ...]:
         raise ConfigError(f"extra must be an object of string values, got {shown(extra)}")
     for name, value in extra.items():
         if not isinstance(value, str):
-            raise ConfigError(f"extra.{_cut(str(name))} must be a string, got {shown(value)} "
+            raise ConfigError(f"extra.{cut(str(name))} must be a string, got {shown(value)} "
                               f"(write it as a string: the identity keys it as written)")
     return tuple(sorted((str(k), v) for k, v in extra.items()))
 
 
 def _names(names: list[str]) -> str:
     """Field names for a message, each and all cut short (they come from a file)."""
-    text = ", ".join(_cut(repr(n)[1:-1], 32) for n in names[:8])
+    text = ", ".join(cut(repr(n)[1:-1], 32) for n in names[:8])
     return text + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 

@@ -140,7 +140,7 @@ class SectionError(ConfigError):
     def __init__(self, section: type[Section], items: list[Failure]) -> None:
         self.items = items
         root = (section.tree_path,) if section.tree_path else ()
-        super().__init__("; ".join(f"{where}: {msg}" if (where := _dotted((*root, *loc))) else msg
+        super().__init__("; ".join(f"{where}: {msg}" if (where := dotted((*root, *loc))) else msg
                                    for loc, msg in items))
 
 
@@ -156,7 +156,7 @@ def failures(exc: ValidationError, root: type[Section]) -> list[Failure]:
     return out
 
 
-def _dotted(loc: tuple[str | int, ...]) -> str:
+def dotted(loc: tuple[str | int, ...]) -> str:
     text = ""
     for part in loc:
         if isinstance(part, str) and ("[" in part or "(" in part):

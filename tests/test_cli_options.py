@@ -50,7 +50,7 @@ def test_non_finite_numbers_are_refused_naming_the_option(prefix, flag, kind, va
 
 @pytest.mark.parametrize("prefix,flag,kind", cases(float_options()))
 def test_every_float_option_is_a_finite_float(prefix, flag, kind):
-    assert isinstance(kind, FiniteFloat), f"{' '.join(prefix)} {flag} reads nan/inf: use common.finite()"
+    assert isinstance(kind, FiniteFloat), f"{' '.join(prefix)} {flag} reads nan/inf: use common.finite_float()"
 
 
 @pytest.mark.parametrize("prefix,flag,kind", cases(numeric_options()))

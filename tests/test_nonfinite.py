@@ -25,9 +25,10 @@ from kvstore.config_load import load_config
 from kvstore.connectors._common import ConnectorConfig, StoreGuard, request_followup, request_task
 from kvstore.daemon.protocol import STATUS_ERROR, Op, frame
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.identity import CacheIdentity, finite
+from kvstore.identity import CacheIdentity
 from kvstore.schema import section_type
 from kvstore.sessions.ledger import SessionError, SessionLedger, apply
+from kvstore.units import finite
 from tests.test_daemon import IDENT, ThreadDaemon, blocks_for, client, daemon_config, raw_conn, read_reply
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -238,3 +238,11 @@ def test_ports_out_of_range_are_refused_by_the_flag(tmp_path, flag, value):
     assert code == 2
     assert f"Invalid value for '{flag}': {value} is not in the range 0<=x<=65535." in out
     assert "Traceback" not in out
+
+
+def test_write_through_without_a_persistent_tier_names_the_flags_that_give_one(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--unix", str(tmp_path / "s.sock"),
+                        "--policy", "write-through"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "write-through" in r.stderr and "--nvme-path" in r.stderr and "--redis-url" in r.stderr
+    assert "Traceback" not in r.stderr

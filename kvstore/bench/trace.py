@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from kvstore.errors import ConfigError, InvalidHint
-from kvstore.identity import finite
 from kvstore.policies.base import check_followup
 from kvstore.sessions.ledger import MAX_TOOL_S
+from kvstore.units import finite
 
 REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 # Seconds per output token: when a call ends (and its ``tool_s`` starts) is

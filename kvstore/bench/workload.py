@@ -38,7 +38,7 @@ from typing import Iterator
 
 from kvstore.bench.trace import DECODE_S_PER_TOKEN, TraceRequest
 from kvstore.errors import ConfigError
-from kvstore.identity import finite
+from kvstore.units import finite
 
 
 @dataclass(frozen=True, slots=True)

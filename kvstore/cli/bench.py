@@ -15,7 +15,7 @@ from kvstore.cli.common import (
     TOKENS,
     Size,
     console,
-    finite,
+    finite_float,
     glossary,
     labelled_block,
     print_table,
@@ -34,7 +34,7 @@ def bench() -> None:
 
 @bench.command("tiers")
 @click.option("--tiers", default="dram,nvme", show_default=True, help="Comma list of hbm,dram,nvme,redis.")
-@click.option("--block-size", default="2MiB", type=Size(min_bytes=4096), show_default=True)
+@click.option("--block-size", default="2MiB", type=Size(4096), show_default=True)
 @click.option("--blocks", default=128, show_default=True, type=click.IntRange(1), help="Blocks per repeat.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(1),
@@ -83,7 +83,7 @@ def _cost(model: str, gpu_tflops: float | None):
 
 def cost_options(fn):
     """Cost-model flags shared by replay, sweep and scorecard."""
-    fn = click.option("--gpu-tflops", default=None, type=finite(0, min_open=True),
+    fn = click.option("--gpu-tflops", default=None, type=finite_float(0, min_open=True),
                       help="Effective GPU TFLOP/s (cost model) [default: the preset's].")(fn)
     return click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset.")(fn)
 
@@ -97,12 +97,12 @@ def workload_options(fn):
     """Agent generator flags shared by replay (--workload agent) and sweep."""
     for opt in reversed([
         click.option("--seed", default=0, show_default=True, type=click.IntRange(0)),
-        click.option("--duration", default=300.0, show_default=True, type=finite(0, min_open=True),
+        click.option("--duration", default=300.0, show_default=True, type=finite_float(0, min_open=True),
                      help="Agent generator: seconds."),
         click.option("--tenants", default=2, show_default=True, type=click.IntRange(1)),
         click.option("--families", default=3, show_default=True, type=click.IntRange(1),
                      help="Task families (shared prompts)."),
-        click.option("--fork-prob", default=0.15, show_default=True, type=finite(0, 1),
+        click.option("--fork-prob", default=0.15, show_default=True, type=finite_float(0, 1),
                      help="Chance a step forks sub-agents."),
         click.option("--block-tokens", default=64, show_default=True, type=click.IntRange(1),
                      help="Agent generator block size."),
@@ -163,7 +163,7 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, a
 @click.option("--hints", type=click.Choice(["trace", "none"]), default="trace", show_default=True,
               help="regime's follow-up hints: the trace's 'followup' fields (the agent generator "
                    "writes them), or none.")
-@click.option("--oracle-noise", default=0.0, show_default=True, type=finite(0.0, 1.0),
+@click.option("--oracle-noise", default=0.0, show_default=True, type=finite_float(0.0, 1.0),
               help="regime-oracle: flip this share of its hints (seeded by --seed), to see what "
                    "hints of a given quality buy (a binary hint wrong on a share p has AUC 1 - p).")
 @click.option("--sessions", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
@@ -274,7 +274,7 @@ def sweep(json_path, seed, duration, tenants, families, fork_prob, block_tokens,
               help="regime's boundaries: auto (from each case's tiers) or T1,T2,T3 tokens.")
 @click.option("--limit", default=None, type=click.IntRange(1),
               help="Only the first N requests of the trace (a quick look; the goals are for the whole).")
-@click.option("--duration", default=300.0, show_default=True, type=finite(1.0),
+@click.option("--duration", default=300.0, show_default=True, type=finite_float(1.0),
               help="Seconds of the agent generator per band.")
 @cost_options
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
@@ -321,7 +321,7 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
 @click.option("--cpu-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for every row [default: all cores].")
 @click.option("--vllm-python", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Interpreter with vllm (default: this one, else .venv-vllm).")
-@click.option("--logprob-tol", default=1e-4, show_default=True, type=finite(0),
+@click.option("--logprob-tol", default=1e-4, show_default=True, type=finite_float(0),
               help="Largest first-token logprob difference from the plain row.")
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="Keep engine logs, specs and store files here (default: a temp dir, removed).")

@@ -24,44 +24,55 @@ from kvstore.units import parse_count, parse_size
 console = Console()
 
 
-class Size(click.ParamType):
-    """A byte size (4096, 512KiB, 2MiB, 8GiB), at least ``min_bytes``."""
+class _Amount(click.ParamType):
+    """A number with a unit suffix, at least ``minimum``: one piece for sizes and token counts."""
 
-    name = "size"
+    unit = ""
 
-    def __init__(self, min_bytes: int = 0) -> None:
-        self.min_bytes = min_bytes
+    def __init__(self, minimum: int = 0) -> None:
+        self.minimum = minimum
+
+    def parse(self, value: str | int) -> int:
+        raise NotImplementedError
+
+    def bad_value(self, value: object, exc: KVStoreError) -> str:
+        return str(exc)
 
     def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
         try:
-            n = parse_size(value)
+            n = self.parse(value)
         except KVStoreError as exc:
-            self.fail(str(exc), param, ctx)
-        if n < self.min_bytes:
-            self.fail(f"want at least {self.min_bytes} bytes, got {value!r}", param, ctx)
+            self.fail(self.bad_value(value, exc), param, ctx)
+        if n < self.minimum:
+            self.fail(f"want at least {self.minimum} {self.unit}, got {value!r}", param, ctx)
         return n
+
+
+class Size(_Amount):
+    """A byte size (4096, 512KiB, 2MiB, 8GiB), at least ``minimum`` bytes."""
+
+    name = "size"
+    unit = "bytes"
+
+    def parse(self, value: str | int) -> int:
+        return parse_size(value)
 
 
 SIZE = Size()
 
 
-class Tokens(click.ParamType):
-    """A token count (4096, 500K, 1.4M; K = 1000), at least ``min_tokens``.
+class Tokens(_Amount):
+    """A token count (4096, 500K, 1.4M; K = 1000), at least ``minimum`` tokens.
     Not a byte size: "2MiB" tokens is refused, and the message says so."""
 
     name = "tokens"
+    unit = "tokens"
 
-    def __init__(self, min_tokens: int = 0) -> None:
-        self.min_tokens = min_tokens
+    def parse(self, value: str | int) -> int:
+        return parse_count(value)
 
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
-        try:
-            n = parse_count(value)
-        except KVStoreError:
-            self.fail(f"want a token count like 500K or 1.4M, got {value!r}", param, ctx)
-        if n < self.min_tokens:
-            self.fail(f"want at least {self.min_tokens} tokens, got {value!r}", param, ctx)
-        return n
+    def bad_value(self, value: object, exc: KVStoreError) -> str:
+        return f"want a token count like 500K or 1.4M, got {value!r}"
 
 
 TOKENS = Tokens()
@@ -80,7 +91,7 @@ class FiniteFloat(click.FloatRange):
         return super().convert(number, param, ctx)
 
 
-def finite(min: float | None = None, max: float | None = None, *,  # noqa: A002 - click's names
+def finite_float(min: float | None = None, max: float | None = None, *,  # noqa: A002 - click's names
            min_open: bool = False) -> FiniteFloat:
     return FiniteFloat(min, max, min_open=min_open)
 

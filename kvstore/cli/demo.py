@@ -14,7 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import kvstore.bench.demo as demo_run
-from kvstore.cli.common import Size, Tokens, console, finite, refuse_unused
+from kvstore.cli.common import Size, Tokens, console, finite_float, refuse_unused
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
 from kvstore.store.tiered import TieredStore
@@ -90,15 +90,15 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
 
 
 @click.command("demo")
-@click.option("--working-set", "working_set", default="400K", type=Tokens(min_tokens=1), show_default=True,
+@click.option("--working-set", "working_set", default="400K", type=Tokens(1), show_default=True,
               help="Sustained working set of the generated agent workload, in tokens.")
-@click.option("--duration", default=240.0, show_default=True, type=finite(0, min_open=True),
+@click.option("--duration", default=240.0, show_default=True, type=finite_float(0, min_open=True),
               help="Simulated seconds of agent traffic.")
 @click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Replay a Mooncake-format JSONL trace instead of the generator.")
 @click.option("--max-requests", default=None, type=click.IntRange(1), help="Stop after this many requests.")
-@click.option("--dram", "dram_bytes", default="64MiB", type=Size(min_bytes=4096), show_default=True)
-@click.option("--nvme", "nvme_bytes", default="512MiB", type=Size(min_bytes=4096), show_default=True)
+@click.option("--dram", "dram_bytes", default="64MiB", type=Size(4096), show_default=True)
+@click.option("--nvme", "nvme_bytes", default="512MiB", type=Size(4096), show_default=True)
 @click.option("--nvme-path", default=None, help="NVMe tier directory (default: a fresh temp dir).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
               help="Seed of the generated agent workload.")

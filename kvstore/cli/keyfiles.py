@@ -19,8 +19,9 @@ import dataclasses
 
 from kvstore.config_load import read_document
 from kvstore.errors import ConfigError
-from kvstore.identity import CacheIdentity, shown
+from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, MediaRef, block_keys
+from kvstore.units import shown
 
 _load = read_document    # every failure (unreadable, not UTF-8, not JSON, too deep) is a ConfigError
 MEDIA_FIELDS = ("hash", "tokens")

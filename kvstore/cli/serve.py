@@ -18,7 +18,7 @@ import click
 
 from kvstore.cli.common import SIZE, fail
 from kvstore.errors import KVStoreError
-from kvstore.schema import SectionError, _dotted, without_password
+from kvstore.schema import SectionError, dotted, without_password
 from kvstore.units import format_size
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
     except SettingUnusable as exc:
         fail(KVStoreError(f"{_setting_named(exc.setting, typed)} {exc.value}: {exc.reason}"))
     except SectionError as exc:
-        fail(KVStoreError("; ".join(f"{_setting_named(_dotted(loc), typed)}: {msg}" if loc else msg
+        fail(KVStoreError("; ".join(f"{_setting_named(dotted(loc), typed)}: {msg}" if loc else msg
                                     for loc, msg in exc.items)))
     except (KVStoreError, OSError, ValueError) as exc:
         fail(exc)
@@ -127,7 +127,7 @@ def _tenant_specs(texts: tuple[str, ...]) -> list[dict[str, Any]]:
 
 def _tenant_failure(loc: tuple, msg: str, specs: list[dict[str, Any]]) -> str:
     if len(loc) >= 2 and loc[0] == "tenants" and isinstance(loc[1], int):
-        field = {"quota_bytes": "quota"}.get(_dotted(loc[2:]), _dotted(loc[2:]))   # the flag's word for it
+        field = {"quota_bytes": "quota"}.get(dotted(loc[2:]), dotted(loc[2:]))   # the flag's word for it
         return f"--tenant {specs[loc[1]]['name']}: {field + ' ' if field else ''}{msg}"
     return f"--tenant: {msg}"
 

@@ -34,10 +34,11 @@ from prometheus_client import Histogram
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailable
-from kvstore.identity import CacheIdentity, KVLayout, finite
+from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
 from kvstore.stats import LATENCY_BUCKETS
 from kvstore.store.facade import Store
+from kvstore.units import finite
 
 log = logging.getLogger("kvstore.connectors")
 T = TypeVar("T")

@@ -36,7 +36,7 @@ from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import KVStoreError
-from kvstore.identity import finite
+from kvstore.units import finite
 
 MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
