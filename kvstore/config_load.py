@@ -33,15 +33,19 @@ _SECTIONS = tuple(Config.model_fields)          # store, policy, daemon
 
 
 def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] | None = None,
-                env: Mapping[str, str] | None = None, *, env_file: bool = True) -> Config:
+                env: Mapping[str, str] | None = None, *, env_file: bool = True,
+                path_named: str = "config") -> Config:
     """The tree from a file (``path``, else ``$KVSTORE_CONFIG`` unless not
-    ``env_file``), the environment and ``data``, in that order."""
+    ``env_file``), the environment and ``data``, in that order. A failure to
+    read ``path`` names it as ``path_named`` (a command's ``--config``)."""
     env = os.environ if env is None else env
+    named = path_named
     if path is None and env_file:
         path = env.get(ENV_FILE) or None
+        named = f"${ENV_FILE} names"    # the user typed a variable, not a path: say which
     tree: dict[str, Any] = {}
     if path is not None:
-        tree = merge(tree, read_config_file(os.fspath(path)))
+        tree = merge(tree, read_config_file(os.fspath(path), named))
     tree = merge(tree, env_tree(env))
     if data is not None:
         if not isinstance(data, Mapping):
@@ -82,30 +86,44 @@ def _store_under(lower: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str,
     return dict(lower)
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str, what: str = "config") -> dict[str, Any]:
     """A config file's tree: TOML, or JSON if the name ends in ``.json``."""
-    tree = read_document(path, "config", json_only=path.endswith(".json"))
+    tree = read_document(path, what, json_only=path.endswith(".json"))
     if not isinstance(tree, dict):
-        raise ConfigError(f"config {path}: must be an object (a table), not {type(tree).__name__}")
+        raise ConfigError(f"{what} {path}: must be an object (a table), not {type(tree).__name__}")
     return tree
 
 
 def read_document(path: str, what: str, *, json_only: bool = True) -> Any:
     """A JSON (or TOML) file's contents; every way it can fail is a
-    ConfigError naming the file (unreadable, not UTF-8, not parseable, nested too deep)."""
+    ConfigError ``<what> <path>: <why>`` (unreadable, not UTF-8, not
+    parseable, a key given twice in one object, nested too deep)."""
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
-        return json.loads(text) if json_only else tomllib.loads(text)
+        # TOML refuses a key given twice itself; JSON would keep the last silently
+        return json.loads(text, object_pairs_hook=unique_keys) if json_only else tomllib.loads(text)
     except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what} {path} is not UTF-8 text: {exc}"[:500]) from None
+        raise ConfigError(f"{what} {path}: not UTF-8 text: {exc}"[:500]) from None
     except RecursionError:
-        raise ConfigError(f"{what} {path} is nested too deeply to be a config") from None
+        raise ConfigError(f"{what} {path}: nested too deeply to be a config") from None
+    except ConfigError as exc:     # from unique_keys
+        raise ConfigError(f"{what} {path}: {exc}") from None
     except ValueError as exc:   # JSONDecodeError, TOMLDecodeError, integers too long to convert
         kind = "JSON" if json_only else "TOML (name the file .json for JSON)"
-        raise ConfigError(f"{what} {path} is not valid {kind}: {exc}"[:500]) from None
+        raise ConfigError(f"{what} {path}: not valid {kind}: {exc}"[:500]) from None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice: which value was meant is a guess."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"the key {json.dumps(key)[:80]} appears twice in one object; give it once")
+        out[key] = value
+    return out
 
 
 # -- environment --------------------------------------------------------------------------

@@ -37,7 +37,8 @@ class MediaRef:
     and ``num_tokens``, the number of the block's token positions it fills
     (1..block_tokens: an image of 576 tokens from position 20, in 16-token
     blocks, fills 12 positions of block 1, all 16 of blocks 2-36 and 4 of
-    block 37). The count keys where the media sits, not only that it is there."""
+    block 37). The count keys where the media sits, not only that it is there.
+    Media never share a position, so one block's counts sum to at most block_tokens."""
 
     media_hash: str
     num_tokens: int
@@ -70,6 +71,10 @@ def _encode_extras(extras: BlockExtras, block_tokens: int, block: int) -> bytes:
             raise ConfigError(f"extras[{block}][{m}]: num_tokens {media.num_tokens} is more than the "
                               f"block's {block_tokens} token positions (it counts the positions of "
                               "this block the media fills)")
+    filled = sum(m.num_tokens for m in extras)
+    if filled > block_tokens:   # two media never share a position, so their counts add up
+        raise ConfigError(f"extras[{block}]: its media fill {filled} token positions in all, more than "
+                          f"the block's {block_tokens} (media in one block cannot overlap)")
     items = [[m.media_hash, m.num_tokens] for m in extras]
     return _EXTRA_TAG + json.dumps(items, separators=(",", ":")).encode()
 
@@ -109,7 +114,8 @@ class KeyChain:
 
         ``extras[j]`` holds the media overlapping the j-th block sealed by
         this call (missing entries mean none); each fills 1..block_tokens of
-        the block's positions (a ConfigError otherwise, nothing extended).
+        the block's positions, and together at most block_tokens (a
+        ConfigError otherwise, nothing extended).
         """
         arr = np.concatenate([self._pending, _as_token_array(tokens)])
         n_full = len(arr) // self.block_tokens

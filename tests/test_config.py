@@ -136,3 +136,24 @@ def test_serve_reads_a_toml_config_and_names_the_bad_path(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(nowhere)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "daemon.listen" in r.stderr
+
+
+def test_a_key_given_twice_in_a_config_file_is_an_error_naming_it_and_the_file(tmp_path):
+    as_json = tmp_path / "kv.json"
+    as_json.write_text('{"store": {"dram": {"capacity_bytes": "1GiB", "capacity_bytes": "2GiB"}}}')
+    with pytest.raises(ConfigError, match=rf'config {re.escape(str(as_json))}: the key "capacity_bytes" '
+                                          "appears twice"):
+        load_config(as_json, env={})
+    as_toml = tmp_path / "kv.toml"      # tomllib refuses it itself
+    as_toml.write_text('[store.dram]\ncapacity_bytes = "1GiB"\ncapacity_bytes = "2GiB"\n')
+    with pytest.raises(ConfigError, match=rf"config {re.escape(str(as_toml))}: not valid TOML"):
+        load_config(as_toml, env={})
+
+
+def test_a_config_file_named_by_the_environment_names_the_variable(tmp_path):
+    missing = tmp_path / "nonexistent.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"KVSTORE_CONFIG": str(missing)})
+    assert str(info.value) == f"$KVSTORE_CONFIG names {missing}: cannot read it: No such file or directory"
+    with pytest.raises(ConfigError, match=rf"^--config {re.escape(str(tmp_path))}: cannot read it"):
+        load_config(tmp_path, env={}, path_named="--config")        # a directory, not a file

@@ -192,3 +192,39 @@ def test_the_key_chain_refuses_a_media_count_larger_than_its_block_and_extends_n
             MediaRef("h", bad)
     with pytest.raises(ConfigError, match="extras has 4 entries"):
         block_keys(identity, TOKENS, [[], [], [], []])
+
+
+def test_one_blocks_media_fill_at_most_its_positions_in_all(tmp_path):
+    """Two media never share a position: 10 + 10 positions of a 16-token block is a mistake,
+    in the file and in the library; 12 + 4 (the valid test above) fills it exactly."""
+    two = [[{"hash": "a", "tokens": 10}, {"hash": "b", "tokens": 10}]]
+    assert_error(run(tmp_path, ID, {"tokens": TOKENS, "extras": two}),
+                 "tokens file", "extras[0]", "fill 20 token positions", "block's 16")
+    chain = KeyChain(CacheIdentity.from_dict(ID))
+    with pytest.raises(ConfigError, match=r"extras\[1\]: its media fill 17"):
+        chain.extend(TOKENS, [[], [MediaRef("a", 16), MediaRef("b", 1)]])
+    assert chain.keys == [] and chain.pending_tokens == 0
+
+
+# -- a key given twice is not a last-wins guess ---------------------------------------------
+@pytest.mark.parametrize("identity, tokens, needles", [
+    ('{"model_id": "m/x", "num_layers": 32, "num_kv_heads": 2, "head_dim": 32, "block_size": 16, '
+     '"num_layers": 16}', TOKENS, ["id.json", '"num_layers" appears twice']),
+    (ID, '{"tokens": [1, 2], "tokens": [3]}', ["tokens.json", '"tokens" appears twice']),
+    (ID, '{"tokens": [1], "extras": [[{"hash": "a", "tokens": 1, "hash": "b"}]]}',
+     ["tokens.json", '"hash" appears twice']),
+])
+def test_a_key_given_twice_is_an_error_naming_the_key_and_the_file(tmp_path, identity, tokens, needles):
+    assert_error(run(tmp_path, identity, tokens), *needles)
+
+
+def test_a_file_that_is_not_json_is_named_once(tmp_path):
+    result = run(tmp_path, "{not json", TOKENS)
+    assert_error(result, "not valid JSON")
+    assert result.output.count("id.json") == 1 and result.output.startswith(f"error: identity {tmp_path}")
+
+
+@pytest.mark.parametrize("command", ["keys", "check", "serve"])
+def test_every_option_says_what_it_is_for(command):
+    options = [p for p in main.commands[command].params if p.param_type_name == "option"]
+    assert options and [p.name for p in options if not (p.help or "").strip()] == []

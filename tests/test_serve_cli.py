@@ -9,6 +9,7 @@ it serves go through click's runner.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import signal
 import socket
@@ -38,6 +39,9 @@ IDENT = CacheIdentity("serve-cli-test", KVLayout(num_layers=2, num_kv_heads=2, h
                                                  block_tokens=16, dtype="float16"))
 BB = IDENT.layout.block_bytes
 TOKEN = "token-team-a-1"
+# the daemon runs this checkout's kvstore, wherever the test's cwd is
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                 os.environ.get("PYTHONPATH")]))}
 
 
 def blocks(seed: int, n: int) -> tuple[list, list[np.ndarray]]:
@@ -51,7 +55,7 @@ class Serving:
 
     def __init__(self, cwd: Path, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args], cwd=cwd,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, env=ENV)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -198,6 +202,9 @@ def test_drain_counts_requests_it_waited_for_and_ones_it_cut_off(tmp_path):
     (("--unix", "kv.sock", "--nvme", "1GiB"), "error: store.nvme.path (--nvme-path): required"),
     (("--unix", "kv.sock", "--tcp-port", "0", "--host", "nonexistent.invalid"),
      "error: --host nonexistent.invalid: cannot listen there: Name or service not known"),
+    (("--unix", "kv.sock", "--host", "0.0.0.0"),
+     "error: --host needs --tcp-port (or daemon.listen.tcp_port in the config): without a port nothing "
+     "listens on TCP, and the metrics keep their own host"),
 ])
 def test_errors_name_the_flag_and_the_value(tmp_path, monkeypatch, args, said):
     monkeypatch.chdir(tmp_path)
@@ -242,7 +249,34 @@ def test_ports_out_of_range_are_refused_by_the_flag(tmp_path, flag, value):
 
 def test_write_through_without_a_persistent_tier_names_the_flags_that_give_one(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--unix", str(tmp_path / "s.sock"),
-                        "--policy", "write-through"], capture_output=True, text=True, timeout=60)
+                        "--policy", "write-through"], capture_output=True, text=True, timeout=60, env=ENV)
     assert r.returncode == 2, r.stderr
     assert "write-through" in r.stderr and "--nvme-path" in r.stderr and "--redis-url" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_config_file_named_by_the_environment_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_CONFIG", str(tmp_path / "nonexistent.toml"))
+    code, out = serve_cli("--unix", str(tmp_path / "kv.sock"))
+    assert (code, out) == (2, f"error: $KVSTORE_CONFIG names {tmp_path / 'nonexistent.toml'}: cannot read it: "
+                              "No such file or directory\n")
+
+
+def test_a_second_daemon_on_the_same_nvme_directory_names_the_flag_and_leaves_the_first_alone(tmp_path):
+    first = Serving(tmp_path, "--unix", "a.sock", "--nvme", "64MiB", "--nvme-path", "nvme")
+    try:
+        assert first.line().startswith("kvstore serve: listening on unix a.sock")
+        second = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--unix", "b.sock", "--nvme", "64MiB",
+                                 "--nvme-path", "nvme"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=30, env=ENV)
+        assert second.returncode == 2
+        assert second.stderr == ("error: --nvme-path nvme: held by another kvstore process "
+                                 "(a daemon or store already uses it)\n")
+        assert not (tmp_path / "b.sock").exists()
+        keys, data = blocks(3, 2)
+        with RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'a.sock'}", shm=False)) as c:
+            assert c.put(IDENT, keys, data) == [PutOutcome.STORED] * 2     # the first still serves
+        rc, rest = first.stop()
+    finally:
+        first.kill()
+    assert rc == 0 and "holding 2 blocks" in rest[0]

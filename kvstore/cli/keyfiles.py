@@ -7,7 +7,8 @@ block_tokens; a field given twice must have one value, see
 ``{"tokens": [...], "extras": [[{"hash": "...", "tokens": N}, ...], ...]}``
 whose ``extras[i]`` lists the media overlapping sealed block i: each media's
 content hash and ``tokens``, the number of block i's token positions it fills
-(1..block_tokens). ``extras`` may stop before the last sealed block (the rest
+(1..block_tokens; media never share a position, so one block's counts sum
+to at most block_tokens). ``extras`` may stop before the last sealed block (the rest
 have no media) but never name more blocks than are sealed.
 
 Every failure is a ConfigError naming the file and the field, with the
@@ -29,7 +30,8 @@ MEDIA_FIELDS = ("hash", "tokens")
 
 def _media_form(block_tokens: int) -> str:
     return (f'a media item is {{"hash": "<the media\'s content hash>", "tokens": <1..{block_tokens}: '
-            f"how many of this block's token positions it fills>}}")
+            f"how many of this block's token positions it fills; one block's media fill "
+            f"{block_tokens} at most in all>}}")
 
 
 def parse_media(item: object, where: str, block_tokens: int) -> MediaRef:
@@ -77,8 +79,9 @@ def read_identity(path: str, block_size: int | None) -> CacheIdentity:
     """ID.json, with ``--block-size`` (when given) replacing its block_tokens."""
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1):
         raise ConfigError(f"--block-size must be a positive token count, got {block_size}")
+    data = _load(path, "identity")     # its errors name the file already
     try:
-        identity = CacheIdentity.from_dict(_load(path, "identity"))  # type: ignore[arg-type]
+        identity = CacheIdentity.from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"identity {path}: {exc}") from None
     if block_size is not None:

@@ -69,7 +69,10 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
 
     typed = {name for name, value in flags.items() if value is not None}
     try:
-        cfg = load_config(config_path, _flag_tree(flags, _tenant_specs(tenants)))
+        cfg = load_config(config_path, _flag_tree(flags, _tenant_specs(tenants)), path_named="--config")
+        if "host" in typed and cfg.daemon.listen.tcp_port is None:
+            raise KVStoreError("--host needs --tcp-port (or daemon.listen.tcp_port in the config): "
+                               "without a port nothing listens on TCP, and the metrics keep their own host")
         cfg.check_servable()
         report = serve(cfg, ready=lambda daemon: click.echo(start_line(daemon), err=True))
         click.echo(drain_line(report, cfg), err=True)

@@ -123,8 +123,11 @@ class ConnectorConfig:
         if data is None:
             data = {}
         if isinstance(data, str):
+            from kvstore.config_load import unique_keys  # noqa: PLC0415
             try:
-                data = json.loads(data) if data.strip() else {}
+                data = json.loads(data, object_pairs_hook=unique_keys) if data.strip() else {}
+            except ConfigError as exc:   # a key given twice
+                raise ConfigError(f"connector config: {exc}") from None
             except (ValueError, RecursionError) as exc:
                 raise ConfigError(f"connector config is not valid JSON: {type(exc).__name__}") from None
         if not isinstance(data, Mapping):
@@ -134,7 +137,9 @@ class ConnectorConfig:
         extra = {k: data.pop(k) for k in list(data) if k in known_extra}
         unknown = sorted(set(data) - mine)
         if unknown:
-            raise ConfigError(f"unknown connector config key(s): {', '.join(unknown)}; "
+            moved = " (now store.remote.url / token / shm / timeout_s)" \
+                if any(k.startswith("daemon_") for k in unknown) else ""   # the keys before the tree
+            raise ConfigError(f"unknown connector config key(s): {', '.join(unknown)}{moved}; "
                               f"known: {sorted(mine | set(known_extra))}")
         from kvstore.config_load import load_config  # noqa: PLC0415
 

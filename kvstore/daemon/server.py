@@ -62,7 +62,7 @@ from kvstore.daemon.protocol import (
 )
 from kvstore.daemon.shm import peer_credentials, send_with_fds
 from kvstore.daemon.tenants import Tenant, TenantTable, load_key_secret
-from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, Overloaded, ProtocolError
+from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, Overloaded, ProtocolError, TierUnavailable
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
@@ -135,6 +135,7 @@ class Daemon:
         config.check_servable()
         if config.store.nvme is not None and store is None:
             _usable_dir(config.store.nvme.path, "store.nvme.path")
+            _not_held(config.store.nvme.path, shared=config.store.nvme.read_only)
         secret = _key_secret(config)
         _raise_fd_limit()
         if store is None:
@@ -564,12 +565,30 @@ def _tcp_listener(host: str, port: int, settings: tuple[str, str]) -> socket.soc
 def _usable_dir(path: str, setting: str) -> None:
     """Make the directory ``path`` or say why it cannot be. A read-only one is
     used as it is (the NVMe tier serves what it holds and refuses puts)."""
+    from kvstore.tiers.nvme.files import unusable_dir  # noqa: PLC0415
+
+    reason = unusable_dir(path, create=True, need_write=False)
+    if reason:
+        raise SettingUnusable(setting, path, reason)
+
+
+def _not_held(path: str, *, shared: bool) -> None:
+    """Refuse a directory another kvstore process uses, before anything is
+    written there (the key secret) and named by its setting: the tier's own
+    lock, taken and let go at once (the store takes it again to open)."""
+    from kvstore.tiers.nvme.files import lock_dir  # noqa: PLC0415
+
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        raise SettingUnusable(setting, path, "cannot use it: not a directory") from None
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise SettingUnusable(setting, path, f"cannot create it: {_why(exc)}") from exc
+        raise SettingUnusable("store.nvme.path", path, f"cannot use it: {_why(exc)}") from exc
+    try:
+        lock_dir(fd, path, shared=shared)
+    except TierUnavailable:
+        raise SettingUnusable("store.nvme.path", path, "held by another kvstore process "
+                              "(a daemon or store already uses it)") from None
+    finally:
+        os.close(fd)   # lets the lock go
 
 
 def _key_secret(config: Config) -> bytes:

@@ -9,13 +9,14 @@ import pytest
 from kvstore.config import Config
 from kvstore.connectors._common import (
     FOLLOWUP_PARAM,
+    ConnectorConfig,
     StoreGuard,
     UnavailableStore,
     request_followup,
     shared_store,
 )
 from kvstore.daemon.client import RemoteStore
-from kvstore.errors import TierUnavailable
+from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.keys import BlockKey
 from kvstore.store.facade import Store
 from kvstore.store.factory import open_store
@@ -146,3 +147,20 @@ def test_a_task_hint_drives_the_session_and_bad_ones_are_ignored_once(caplog, tm
         task_after(store, child, [], guard)
         assert ledger.refcount(keys[0]) == 1 and ledger.tasks("default") == ["job"]
     assert guard.errors == 0
+
+
+def test_the_old_daemon_keys_are_refused_with_where_they_went():
+    for old in ("daemon_url", "daemon_token", "daemon_shm", "daemon_timeout_s"):
+        with pytest.raises(ConfigError) as info:
+            ConnectorConfig.from_dict({old: "x"})
+        assert str(info.value).startswith(f"unknown connector config key(s): {old} (now store.remote.url / "
+                                          "token / shm / timeout_s); known: ")
+    with pytest.raises(ConfigError) as info:
+        ConnectorConfig.from_dict({"colour": "x"})
+    assert "store.remote" not in str(info.value)          # only the old daemon_ keys get the pointer
+
+
+def test_a_key_given_twice_in_a_connector_config_string_is_an_error():
+    with pytest.raises(ConfigError, match='^connector config: the key "save" appears twice'):
+        ConnectorConfig.from_dict('{"save": true, "save": false}')
+    assert ConnectorConfig.from_dict('{"save": false}').save is False

@@ -49,12 +49,34 @@ def open_dir(config: NvmeConfig) -> int:
     return fd
 
 
+def unusable_dir(path: str, *, create: bool, need_write: bool = True) -> str | None:
+    """Why ``path`` cannot be a tier's directory, in words (no errno, no path:
+    the caller names the setting or flag), or None when it can. ``create``
+    makes it first (0700, like the tier); ``need_write``: a read-only one is
+    unusable (a daemon serves a read-only one as it is, so it passes False)."""
+    if create:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except FileExistsError:
+            return "cannot use it: not a directory"
+        except OSError as exc:
+            return f"cannot create it: {os.strerror(exc.errno) if exc.errno else exc}"
+    if not os.path.exists(path):
+        return "cannot use it: no such directory"
+    if not os.path.isdir(path):
+        return "cannot use it: not a directory"
+    if need_write and not os.access(path, os.W_OK | os.X_OK):
+        return "cannot use it: not writable"
+    return None
+
+
 def lock_dir(fd: int, path: str, *, shared: bool) -> None:
     """flock the directory itself: no lock file, so a read-only open writes nothing."""
     try:
         fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise TierUnavailable(f"NVMe directory {path} is held by another tier or process") from None
+        raise TierUnavailable(f"NVMe directory {path} is held by another kvstore process or store "
+                              "(a daemon or store already uses it)") from None
 
 
 def segment_files(path: str) -> list[tuple[int, str]]:
