@@ -245,3 +245,11 @@ def test_bench_sweep_reports_every_band(tmp_path):
         assert b["working_set_tokens"] > 0
         for p in ("hbm-only", "always-offload", "lru", "regime"):
             assert b["policies"][p]["completed"] >= 0 and b["policies"][p]["ttft_mean_s"] >= 0
+
+
+def test_check_of_a_folder_without_segments_says_so(tmp_path):
+    """A typo'd --nvme-path must not read as a healthy tier."""
+    empty = kvstore("check", "--nvme-path", str(tmp_path))
+    assert "no segment files" in empty.stderr and str(tmp_path) in empty.stderr
+    fill_nvme(tmp_path, 2)
+    assert "no segment files" not in kvstore("check", "--nvme-path", str(tmp_path)).stderr

@@ -93,6 +93,57 @@ def test_replay_refuses_flags_that_would_not_take_effect(extra, flag):
     assert r.exit_code == 2 and flag in r.output and "Traceback" not in r.output
 
 
+def a_trace(tmp_path, **fields) -> str:
+    """Four requests of a two-block conversation (plus ``fields`` on each)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1100, "output_length": 5,
+                                         "hash_ids": [1, 2, 3], **fields}) + "\n" for i in range(4)))
+    return str(trace)
+
+
+@pytest.mark.parametrize("extra,refusal", [
+    (["--seed", "5"], "--seed seeds the agent generator and regime-oracle's --oracle-noise: this run has neither"),
+    (["--seed", "5", "--policy", "regime-oracle"], "--seed seeds the agent generator"),   # no noise to seed
+    (["--hints", "none", "--policy", "lru,belady"], "--hints applies to the regime policy"),
+    (["--hints", "none", "--policy", "regime-oracle"], "--hints applies to the regime policy"),
+    (["--thresholds", "100K,250K,500K", "--policy", "lru"], "--thresholds applies to the regime policies"),
+    (["--sessions", "on"], "--sessions on: the trace has no task fields (task_id, "),
+    (["--sessions", "both", "--admission", "on"], "--sessions both: the trace has no task fields"),
+])
+def test_replay_refuses_options_this_trace_run_would_ignore(tmp_path, extra, refusal):
+    r = invoke("bench", "replay", "--trace", a_trace(tmp_path), "--no-data-plane", *extra)
+    assert r.exit_code == 2 and refusal in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.parametrize("extra", [
+    [],                                                      # the defaults of all of them: never refused
+    ["--seed", "5", "--policy", "regime-oracle,lru,belady", "--oracle-noise", "0.5"],
+    ["--hints", "none", "--thresholds", "1K,2K,3K", "--policy", "regime,lru"],
+    ["--thresholds", "1K,2K,3K", "--policy", "regime-oracle"],
+])
+def test_replay_takes_those_options_where_they_take_effect(tmp_path, extra, narrow):
+    r = invoke("bench", "replay", "--trace", a_trace(tmp_path), "--no-data-plane", *extra)
+    assert r.exit_code == 0, r.output
+
+
+def test_replay_sessions_run_on_a_trace_with_task_fields(tmp_path, narrow):
+    trace = a_trace(tmp_path, task_id="t1")
+    r = invoke("bench", "replay", "--trace", trace, "--no-data-plane", "--sessions", "on", "--policy", "lru")
+    assert r.exit_code == 0 and "│ +sessions │" in r.output, r.output
+
+
+def test_replay_title_says_when_capacities_were_rounded_to_blocks(tmp_path, narrow):
+    r = invoke("bench", "replay", "--trace", a_trace(tmp_path), "--no-data-plane", "--policy", "lru")
+    assert r.exit_code == 0, r.output
+    assert_fits_80(r.output)
+    assert "tiers: HBM 99.8K, DRAM 500K, NVMe 1.4M tokens (rounded down to whole blocks of 512 tokens)" \
+        in " ".join(r.output.split())
+    whole = invoke("bench", "replay", "--trace", a_trace(tmp_path), "--no-data-plane", "--policy", "lru",
+                   "--hbm-tokens", "102400", "--dram-tokens", "512000")      # 200 and 1000 blocks
+    flat = " ".join(whole.output.split())
+    assert "tiers: HBM 102K, DRAM 512K, NVMe 1.4M tokens; model" in flat and "rounded" not in flat
+
+
 # -- 2. bench tiers --tiers hbm: no silent numpy stand-in ----------------------------------------
 HBM_SMALL = ["bench", "tiers", "--tiers", "hbm", "--block-size", "64KiB", "--blocks", "4", "--repeats", "1"]
 
@@ -197,9 +248,11 @@ def test_replay_wide_shows_every_column_uncut(narrow):
 
 
 def test_piped_output_is_laid_out_for_columns_or_80():
-    env = {**os.environ, "COLUMNS": "80"}
+    root = str(Path(__file__).resolve().parents[1])     # this checkout's kvstore, whatever is installed
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get(
+        "PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-m", "kvstore", *QUICK, "--no-data-plane"], capture_output=True,
-                       text=True, env=env, timeout=120, check=True)
+                       text=True, env=env, timeout=120, check=True, cwd=root)
     assert_fits_80(r.stdout)
     assert "TTFT p99" in r.stdout
 
@@ -217,15 +270,24 @@ def test_replay_help_explains_every_column_the_table_can_show(agent_sessions_res
 def test_sweep_table_fits_80_columns():
     bands = (("<100K", 50_000), ("100K-250K", 60_000), ("250K-500K", 70_000), (">500K", 80_000))
     res = run_sweep(bands=bands, workload=AgentWorkloadConfig(duration_s=10))
-    for b in res["bands"]:                     # the widest cells a slow band prints
-        for p in b["policies"].values():
-            p["ttft_mean_s"], p["completed"] = 123.45, 12_345
+    for b, mean in zip(res["bands"], (123.45, 0.000123456, 0.06437, 0.06502)):
+        for p in b["policies"].values():       # the widest cells a slow (or a very fast) band prints
+            p["ttft_mean_s"], p["completed"] = mean, 12_345
         b["requests"] = 123_456
     text = rendered(sweep_table(res), 80)
     assert_fits_80(text)
-    assert "always-offload" in text and "123.45s" in text and "123,456 req." in text
+    assert "always-offload" in text and "123,456 req." in text
+    for mean in ("123s", "0.000123s", "0.0644s", "0.0650s"):   # cells wrap after their " /"
+        assert f" {mean} /" in text, mean    # three significant digits: a 1% difference shows
     goals = common.labelled_block("goals:", goal_lines(res["goals"]))
     assert "{" not in goals and re.search(r"within 1% of the best, per band: ((met|MISSED)(, )?){4}\n", goals)
+
+
+def test_sweep_seconds_keep_three_significant_digits():
+    from kvstore.bench.sweep import seconds
+
+    assert [seconds(v) for v in (0.06437, 1.2345, 9.996, 123.45, 0.0)] == \
+        ["0.0644s", "1.23s", "10.0s", "123s", "0s"]
 
 
 def test_sweep_help_says_why_it_takes_no_working_set():

@@ -2,6 +2,8 @@
 exit 2 with a message naming the option the user typed. The non-finite
 checks walk the commands' options, so a new numeric option is covered
 without a new test."""
+import re
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -107,3 +109,69 @@ def test_sizes_and_counts_refuse_non_numbers(text):
 
 def test_counts_read_decimal_multipliers_only():
     assert [parse_count(t) for t in ("4096", "500K", "1.4M", "2g", "0")] == [4096, 500_000, 1_400_000, 2 * 10**9, 0]
+
+
+# -- every option explains itself; --version names the distribution -----------------------------
+def every_command(cmd: click.Command = main, path: tuple[str, ...] = ("kvstore",)):
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from every_command(sub, (*path, name))
+
+
+def test_every_option_of_every_command_has_help_text():
+    walked = list(every_command())
+    assert {"serve", "keys", "check", "demo", "replay", "sweep", "tiers", "vllm"} <= {p[-1] for p, _ in walked}
+    missing = [f"{' '.join(path)} {opt.opts[0]}" for path, cmd in walked for opt in cmd.params
+               if isinstance(opt, click.Option) and opt.name not in ("help", "version")
+               and not (opt.help or "").strip()]
+    assert missing == []
+
+
+def test_version_names_the_distribution():
+    from kvstore.errors import DISTRIBUTION
+
+    r = invoke("--version")
+    assert r.exit_code == 0 and re.fullmatch(rf"kvstore \({DISTRIBUTION}\) \d+\.\d+\S*\n", r.output), r.output
+
+
+# -- comma lists name their option when empty or wrong -------------------------------------------
+@pytest.mark.parametrize("args,expected", [
+    (["bench", "tiers", "--tiers", ""], "--tiers: give at least one of hbm, dram, nvme, redis"),
+    (["bench", "tiers", "--tiers", " , "], "--tiers: give at least one of hbm, dram, nvme, redis"),
+    (["bench", "tiers", "--tiers", "dram,ssd"], "--tiers: unknown ssd; choose from hbm, dram, nvme, redis"),
+    (["bench", "replay", "--workload", "agent", "--policy", ""], "--policy: give at least one of hbm-only, "),
+    (["bench", "replay", "--workload", "agent", "--policy", "lru,mru"], "--policy: unknown mru; choose from "),
+])
+def test_comma_lists_name_the_option_when_empty_or_unknown(args, expected):
+    r = invoke(*args)
+    assert r.exit_code == 2 and expected in r.output and "[]" not in r.output, r.output
+
+
+def test_a_minimum_of_one_reads_in_the_singular():
+    r = invoke("demo", "--working-set", "0")
+    assert r.exit_code == 2 and "want at least 1 token, got '0'" in r.output
+    r = invoke("bench", "tiers", "--block-size", "100")
+    assert r.exit_code == 2 and "want at least 4096 bytes, got '100'" in r.output
+
+
+# -- --nvme-path: the option, the path and the reason; no traceback ------------------------------
+def test_bench_tiers_nvme_path_that_is_missing_or_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    small = ["bench", "tiers", "--tiers", "nvme", "--blocks", "1", "--repeats", "1", "--block-size", "4096"]
+    for path, reason in ((tmp_path / "nonexistent" / "x", "cannot use it: no such directory"),
+                         (afile, "cannot use it: not a directory")):
+        r = invoke(*small, "--nvme-path", str(path))
+        assert r.exit_code == 2, r.output
+        assert r.output == f"error: --nvme-path {path}: {reason}\n"
+    assert not (tmp_path / "nonexistent").exists()     # a bench never makes the device's folder
+
+
+def test_demo_nvme_path_that_is_a_file_or_under_one(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for path, reason in ((afile, "cannot use it: not a directory"),
+                         (afile / "sub", "cannot create it: Not a directory")):
+        r = invoke("demo", "--max-requests", "5", "--nvme-path", str(path))
+        assert r.exit_code == 2 and r.output == f"error: --nvme-path {path}: {reason}\n", r.output

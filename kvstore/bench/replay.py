@@ -580,14 +580,20 @@ def format_tiers(tiers_tokens: dict) -> str:
     return ", ".join(parts) + " tokens"
 
 
-def render_table(result: dict, *, wide: bool = False):
+def render_table(result: dict, *, wide: bool = False, asked_tokens: dict[str, int] | None = None):
     """A rich Table, one row per policy. Default: the columns that fit 80
-    terminal columns (see :data:`REPLAY_COLUMNS`); ``wide``: all of them."""
+    terminal columns (see :data:`REPLAY_COLUMNS`); ``wide``: all of them.
+    ``asked_tokens``: the tier capacities asked for, so the title can say
+    when they were rounded down to whole blocks (HBM 100K shows as 99.8K)."""
     from rich.table import Table
     cfg = result.get("config", {})
     dp = any("data_plane" in p for p in result["policies"].values())
-    table = Table(title=f"replay: {cfg.get('requests', 0):,} requests; tiers: "
-                        f"{format_tiers(cfg.get('tiers_tokens', {}))}; "
+    tiers = cfg.get("tiers_tokens", {})
+    # only when it shows: 1,399,808 of 1.4M tokens still reads "1.4M"
+    rounded = any(format_count(asked_tokens.get(n, v)) != format_count(v) for n, v in tiers.items()) \
+        if asked_tokens else False
+    note = f" (rounded down to whole blocks of {cfg['block_tokens']:,} tokens)" if rounded else ""
+    table = Table(title=f"replay: {cfg.get('requests', 0):,} requests; tiers: {format_tiers(tiers)}{note}; "
                         f"model {result['cost_model']['model']['name']}")
     cols = [c for c, narrow, _ in REPLAY_COLUMNS if (wide or narrow) and (dp or c != "data plane")]
     for col in cols:

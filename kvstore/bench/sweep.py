@@ -12,6 +12,7 @@ tier cuts mean TTFT by ~3x at 250-500K).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -106,9 +107,20 @@ def render_table(result: dict):
     for b in bands:
         t.add_column(f"{b['band']}\n{b['requests']:,} req.", justify="right")
     for n in names:
-        t.add_row(n, *(f"{b['policies'][n]['ttft_mean_s']:.2f}s / {b['policies'][n]['completed']:,}"
+        t.add_row(n, *(f"{seconds(b['policies'][n]['ttft_mean_s'])} / {b['policies'][n]['completed']:,}"
                        for b in bands))
     return t
+
+
+def seconds(value: float) -> str:
+    """``value`` seconds to three significant digits, never in e-notation:
+    0.06437 -> "0.0644s", 1.2345 -> "1.23s", 123.45 -> "123s". The sweep's goal
+    is about 1% differences, which two decimals hid (0.064 and 0.065 both "0.06")."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}s"
+    rounded = float(f"{value:.3g}")     # first, so 9.996 is "10.0s", not "10.00s"
+    decimals = max(0, 2 - math.floor(math.log10(abs(rounded))))
+    return f"{rounded:.{decimals}f}s"
 
 
 def goal_lines(goals: dict) -> list[tuple[str, str]]:
@@ -116,7 +128,7 @@ def goal_lines(goals: dict) -> list[tuple[str, str]]:
     when the policies to judge were not run)."""
     if not goals:
         return []
-    totals = ", ".join(f"{n} {v:.2f}s" for n, v in sorted(goals["total_ttft_mean_s"].items(),
+    totals = ", ".join(f"{n} {seconds(v)}" for n, v in sorted(goals["total_ttft_mean_s"].items(),
                                                           key=lambda kv: kv[1]))
     return [("within 1% of the best, per band", ", ".join(map(met, goals["within_1pct_each_band"]))),
             ("below each in total", met(goals["strictly_better_overall"])),

@@ -14,7 +14,9 @@ from kvstore.cli.common import (
     THRESHOLDS,
     TOKENS,
     Size,
+    comma_list,
     console,
+    directory,
     finite_float,
     glossary,
     labelled_block,
@@ -34,12 +36,16 @@ def bench() -> None:
 
 @bench.command("tiers")
 @click.option("--tiers", default="dram,nvme", show_default=True, help="Comma list of hbm,dram,nvme,redis.")
-@click.option("--block-size", default="2MiB", type=Size(4096), show_default=True)
+@click.option("--block-size", default="2MiB", type=Size(4096), show_default=True,
+              help="Bytes per block (4096, 512KiB, 2MiB; at least 4096).")
 @click.option("--blocks", default=128, show_default=True, type=click.IntRange(1), help="Blocks per repeat.")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1))
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1),
+              help="Timed repeats per tier (the table shows their median and min-max).")
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(1),
               help="Blocks per put_many/get_into_many call.")
-@click.option("--nvme-path", default=None, help="Directory for the NVMe tier (default: a temp dir).")
+@click.option("--nvme-path", default=None,
+              help="An existing directory on the device to measure; the NVMe tier writes in a temp "
+                   "folder inside it, removed after (default: a temp dir).")
 @click.option("--redis-url", default=None, help="Redis URL for the redis tier (or KVSTORE_REDIS_URL).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--peer", type=click.Choice(["lmcache"]), default=None,
@@ -55,14 +61,18 @@ def bench_tiers(ctx, tiers, block_size, blocks, repeats, batch, nvme_path, redis
                 peer_python, allow_cpu_twin) -> None:
     """Put/get GB/s per tier beside the raw limit measured in the same run."""
     from kvstore.bench.tier_cli import run_tier_bench  # noqa: PLC0415
+    from kvstore.bench.tiers import KNOWN_TIERS  # noqa: PLC0415
 
-    names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+    names = comma_list(ctx, "tiers", tiers, KNOWN_TIERS)
     for tier, flag in (("nvme", "nvme_path"), ("redis", "redis_url"), ("hbm", "allow_cpu_twin")):
         if tier not in names:
             refuse_unused(ctx, (flag,), f"applies to the {tier} tier: add it to --tiers")
     if peer is None:
         refuse_unused(ctx, ("peer_python",), "applies to --peer")
     try:
+        if nvme_path and "nvme" in names:
+            # not made when missing: a mistyped mount point would measure whatever disk holds its parent
+            directory("--nvme-path", nvme_path, create=False)
         run_tier_bench(console, tiers=names,
                        block_bytes=block_size, blocks=blocks, repeats=repeats, batch=batch,
                        nvme_path=nvme_path, redis_url=redis_url or settings.load().redis_url,
@@ -96,10 +106,12 @@ GENERATOR_FLAGS = ("duration", "tenants", "families", "fork_prob", "block_tokens
 def workload_options(fn):
     """Agent generator flags shared by replay (--workload agent) and sweep."""
     for opt in reversed([
-        click.option("--seed", default=0, show_default=True, type=click.IntRange(0)),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+                     help="Seeds the agent generator (replay: also --oracle-noise's flips)."),
         click.option("--duration", default=300.0, show_default=True, type=finite_float(0, min_open=True),
                      help="Agent generator: seconds."),
-        click.option("--tenants", default=2, show_default=True, type=click.IntRange(1)),
+        click.option("--tenants", default=2, show_default=True, type=click.IntRange(1),
+                     help="Agent generator: tenants (salted apart: equal text in two shares no block)."),
         click.option("--families", default=3, show_default=True, type=click.IntRange(1),
                      help="Task families (shared prompts)."),
         click.option("--fork-prob", default=0.15, show_default=True, type=finite_float(0, 1),
@@ -118,8 +130,8 @@ def _workload(seed, working_set, duration, tenants, families, fork_prob, block_t
                                block_tokens=block_tokens)
 
 
-def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, admission,
-                        data_plane, hbm_tokens, block_tokens) -> None:
+def _check_replay_flags(ctx: click.Context, trace, workload, policies, sessions, admission,
+                        data_plane, hbm_tokens, block_tokens, oracle_noise) -> None:
     """Every flag given takes effect, or the command says why not (by the flag's name)."""
     if (trace is None) == (workload is None):
         raise click.UsageError("give exactly one of --trace FILE or --workload agent", ctx)
@@ -130,8 +142,15 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, a
     if not data_plane:
         refuse_unused(ctx, ("bytes_per_token", "nvme_path", "redis_url"),
                       "needs the data plane (drop --no-data-plane)")
-    if "regime-oracle" not in policy:
+    if "regime-oracle" not in policies:
         refuse_unused(ctx, ("oracle_noise",), "applies to the regime-oracle policy (add it to --policy)")
+    if trace and not ("regime-oracle" in policies and oracle_noise):
+        refuse_unused(ctx, ("seed",), "seeds the agent generator and regime-oracle's --oracle-noise: "
+                                      "this run has neither")
+    if "regime" not in policies:   # regime-oracle's hints are its own (the trace's future)
+        refuse_unused(ctx, ("hints",), "applies to the regime policy (add it to --policy)")
+    if not {"regime", "regime-oracle"} & set(policies):
+        refuse_unused(ctx, ("thresholds",), "applies to the regime policies (add regime to --policy)")
     if admission != "off" and sessions == "off":
         raise click.UsageError("--admission admits tasks to sessions: it needs --sessions on or both", ctx)
     if hbm_tokens < block_tokens:
@@ -153,7 +172,8 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, a
               help="Comma list of hbm-only, always-offload, lru, s3fifo, regime, belady, regime-oracle "
                    "(regime told by the trace's future whether each request gets a next turn: "
                    "an upper bound for follow-up hints).")
-@click.option("--hbm-tokens", default="100K", type=TOKENS, show_default=True)
+@click.option("--hbm-tokens", default="100K", type=TOKENS, show_default=True,
+              help="HBM: the engine's own prefix cache (at least one block).")
 @click.option("--dram-tokens", default="500K", type=TOKENS, show_default=True, help="0: no DRAM tier.")
 @click.option("--nvme-tokens", default="1.4M", type=TOKENS, show_default=True, help="0: no NVMe tier.")
 @click.option("--redis-tokens", default="0", type=TOKENS, show_default=True, help="0: no Redis tier.")
@@ -181,8 +201,10 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policy, sessions, a
 @click.option("--nvme-path", default=None, type=click.Path(file_okay=False),
               help="Parent folder for the NVMe tier's segment folders (default: a temp dir); removed after.")
 @click.option("--redis-url", default=None, help="redis://host:port/db for the redis tier (with --redis-tokens).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
-@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the result here: config, cost model, per-policy metrics.")
+@click.option("--plots", "plots_dir", default=None, type=click.Path(file_okay=False),
+              help="Write hit_rate.png, regime.png and ttft_cdf.png into this folder (needs matplotlib).")
 @WIDE
 @click.option("--working-set", default="300K", type=TOKENS, show_default=True,
               help="Agent generator: sustained working set in tokens.")
@@ -194,6 +216,7 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
            fork_prob, block_tokens, model, gpu_tflops) -> None:
     from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
     from kvstore.bench.replay import (  # noqa: PLC0415
+        POLICY_NAMES,
         ReplayConfig,
         load_requests,
         render_table,
@@ -202,16 +225,21 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
     )
 
     bt = trace_block_tokens if trace else block_tokens
-    _check_replay_flags(ctx, trace, workload, policy, sessions, admission, data_plane, hbm_tokens, bt)
+    policies = comma_list(ctx, "policy", policy, POLICY_NAMES)
+    _check_replay_flags(ctx, trace, workload, policies, sessions, admission, data_plane, hbm_tokens, bt,
+                        oracle_noise)
     try:
         wl = None if trace else _workload(seed, working_set, duration, tenants, families, fork_prob,
                                           block_tokens)
         with console.status("reading requests"):
             reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
+        if sessions != "off" and not any(r.task_id for r in reqs):
+            raise click.UsageError(f"--sessions {sessions}: the trace has no task fields (task_id, "
+                                   "parent_task_id, tool_s, end): no request belongs to a task", ctx)
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, thresholds=thresholds,
                            hints=hints, oracle_noise=oracle_noise, seed=seed, sessions=sessions,
-                           admission=admission, policies=tuple(p.strip() for p in policy.split(",") if p.strip()))
+                           admission=admission, policies=policies)
         dpf = None
         if data_plane:
             from kvstore.bench.dataplane import make_data_plane_factory  # noqa: PLC0415
@@ -221,7 +249,8 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
             res = run_replay(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path,
                              plots_dir=plots_dir, command=_command(), data_plane_factory=dpf,
                              workload_duration_s=wl.duration_s if wl else None)
-        print_table(console, render_table(res, wide=wide), wide=wide)
+        asked = {"hbm": hbm_tokens, "dram": dram_tokens, "nvme": nvme_tokens, "redis": redis_tokens}
+        print_table(console, render_table(res, wide=wide, asked_tokens=asked), wide=wide)
         if res.get("session_goals"):
             console.print(labelled_block("session goals (regime+sessions):",
                                          session_goal_lines(res["session_goals"])), highlight=False)
@@ -233,7 +262,8 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
 
 
 @bench.command("sweep")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the result here: per band, each policy's metrics, and the goals.")
 @workload_options
 def sweep(json_path, seed, duration, tenants, families, fork_prob, block_tokens, model, gpu_tflops) -> None:
     """The agent generator at one working set in each of the four regime bands
@@ -312,7 +342,8 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
               help="Also run the same rows for a peer store (LMCache's multiprocess server).")
 @click.option("--prompts", default=3, show_default=True, type=click.IntRange(1),
               help="Different prompts per row (median and min-max over them).")
-@click.option("--prompt-tokens", default=4096, show_default=True, type=click.IntRange(64))
+@click.option("--prompt-tokens", default=4096, show_default=True, type=click.IntRange(64),
+              help="Tokens per prompt (at least 64).")
 @click.option("--block-size", default=32, show_default=True, type=click.IntRange(32),
               callback=lambda ctx, param, v: _multiple_of_32(v),
               help="vLLM block size (a multiple of 32).")
@@ -325,7 +356,8 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
               help="Largest first-token logprob difference from the plain row.")
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="Keep engine logs, specs and store files here (default: a temp dir, removed).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the rows, setup, goals and problems here.")
 def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bind, vllm_python,
                logprob_tol, workdir, json_path) -> None:
     """TTFT in real vLLM: plain, then kvstore cold / warm (same engine, fresh engine,

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.measure import Measurement
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.units import parse_count, parse_size
 
 # Width: the terminal's; when piped, the terminal's still if stdin or stderr is
@@ -27,7 +27,7 @@ console = Console()
 class _Amount(click.ParamType):
     """A number with a unit suffix, at least ``minimum``: one piece for sizes and token counts."""
 
-    unit = ""
+    unit = ""          # plural; "want at least 1 token" drops the s
 
     def __init__(self, minimum: int = 0) -> None:
         self.minimum = minimum
@@ -44,7 +44,8 @@ class _Amount(click.ParamType):
         except KVStoreError as exc:
             self.fail(self.bad_value(value, exc), param, ctx)
         if n < self.minimum:
-            self.fail(f"want at least {self.minimum} {self.unit}, got {value!r}", param, ctx)
+            unit = self.unit.removesuffix("s") if self.minimum == 1 else self.unit
+            self.fail(f"want at least {self.minimum} {unit}, got {value!r}", param, ctx)
         return n
 
 
@@ -130,6 +131,32 @@ def refuse_unused(ctx: click.Context, names: Iterable[str], why: str) -> None:
         if given(ctx, name):
             opt = next(p for p in ctx.command.params if p.name == name)
             raise click.UsageError(f"{opt.opts[0]} {why}", ctx)
+
+
+def comma_list(ctx: click.Context, name: str, value: str, choices: Iterable[str]) -> tuple[str, ...]:
+    """Option ``name``'s comma list, each item one of ``choices``; a usage
+    error naming the option when it is empty or names something unknown."""
+    flag = next(p for p in ctx.command.params if p.name == name).opts[0]
+    known = tuple(choices)
+    items = tuple(item.strip() for item in value.split(",") if item.strip())
+    unknown = [item for item in items if item not in known]
+    if unknown:
+        raise click.UsageError(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}", ctx)
+    if not items:
+        raise click.UsageError(f"{flag}: give at least one of {', '.join(known)}", ctx)
+    return items
+
+
+def directory(flag: str, path: str, *, create: bool) -> str:
+    """``path`` as a directory a tier can write in, made first when ``create``;
+    else a ConfigError naming ``flag``, the path and why in words, as `kvstore
+    serve` says it (not the errno text of whatever call failed first)."""
+    from kvstore.tiers.nvme.files import unusable_dir  # noqa: PLC0415
+
+    reason = unusable_dir(path, create=create)
+    if reason:
+        raise ConfigError(f"{flag} {path}: {reason}")
+    return path
 
 
 def print_table(out: Console, table, *, wide: bool = False) -> None:  # noqa: ANN001 - a rich Table

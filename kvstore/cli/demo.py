@@ -14,7 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import kvstore.bench.demo as demo_run
-from kvstore.cli.common import Size, Tokens, console, finite_float, refuse_unused
+from kvstore.cli.common import Size, Tokens, console, directory, finite_float, refuse_unused
 from kvstore.cli.common import fail as _fail
 from kvstore.errors import KVStoreError
 from kvstore.store.tiered import TieredStore
@@ -97,12 +97,17 @@ def run_demo_cli(console: Console, *, working_set: int, duration: float, trace: 
 @click.option("--trace", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Replay a Mooncake-format JSONL trace instead of the generator.")
 @click.option("--max-requests", default=None, type=click.IntRange(1), help="Stop after this many requests.")
-@click.option("--dram", "dram_bytes", default="64MiB", type=Size(4096), show_default=True)
-@click.option("--nvme", "nvme_bytes", default="512MiB", type=Size(4096), show_default=True)
-@click.option("--nvme-path", default=None, help="NVMe tier directory (default: a fresh temp dir).")
+@click.option("--dram", "dram_bytes", default="64MiB", type=Size(4096), show_default=True,
+              help="DRAM tier capacity in bytes (4096, 512KiB, 64MiB, 8GiB).")
+@click.option("--nvme", "nvme_bytes", default="512MiB", type=Size(4096), show_default=True,
+              help="NVMe tier capacity in bytes.")
+@click.option("--nvme-path", default=None,
+              help="NVMe tier directory, made when missing; its blocks stay after the run "
+                   "(default: a fresh temp dir, removed).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
               help="Seed of the generated agent workload.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the run's counts here (requests, tokens, hits per tier, wrong bytes).")
 @click.pass_context
 def demo(ctx, working_set, duration, trace, max_requests, dram_bytes, nvme_bytes, nvme_path, seed,
          json_path) -> None:
@@ -110,6 +115,8 @@ def demo(ctx, working_set, duration, trace, max_requests, dram_bytes, nvme_bytes
     if trace:
         refuse_unused(ctx, ("working_set", "duration", "seed"), "shapes the generated workload, not --trace")
     try:
+        if nvme_path:
+            directory("--nvme-path", nvme_path, create=True)
         run_demo_cli(console, working_set=working_set, duration=duration, trace=trace,
                      max_requests=max_requests, dram_bytes=dram_bytes, nvme_bytes=nvme_bytes,
                      nvme_path=nvme_path, seed=seed, json_path=json_path)

@@ -12,7 +12,8 @@ from kvstore.errors import DISTRIBUTION, KVStoreError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name=DISTRIBUTION)
+# the distribution's name beside the command's: `pip show kvstore` is someone else's package
+@click.version_option(package_name=DISTRIBUTION, prog_name="kvstore", message="%(prog)s (%(package)s) %(version)s")
 def main() -> None:
     """kvstore: a tiered KV-cache store for LLM inference (HBM, DRAM, NVMe, Redis)."""
     logging.basicConfig(level=settings.load().log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -64,6 +65,10 @@ def check(nvme_path: str, fix: bool) -> None:
                f"tombstones {report.tombstones}, corrupt live blocks {len(report.corrupt_keys)}"
                + (f", dropped {report.dropped}, segments rewritten {report.rewritten}, "
                   f"torn bytes truncated {truncated}" if fix else ""))
+    if report.segments == 0:
+        # a typo'd path would otherwise read as a healthy tier
+        click.echo(f"note: no segment files (*.seg) in {nvme_path}: an empty tier, or not an NVMe tier's "
+                   "directory", err=True)
     for problem in report.problems:
         click.echo(f"problem: {problem}")
     if fix:
