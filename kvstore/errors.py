@@ -64,8 +64,10 @@ DISTRIBUTION = "kvstore-tiered"
 
 
 def pip_extra(extra: str, *more: str) -> str:
-    """The install line for an optional extra, e.g. ``pip install 'kvstore-tiered[gpu]'``."""
-    return " ".join([f"pip install '{DISTRIBUTION}[{extra}]'", *more])
+    """The install line for an optional extra: from a checkout (the project is not
+    published on the package index yet), e.g. ``pip install -e '.[gpu]'``."""
+    return " ".join([f"pip install -e '.[{extra}]' (in a kvstore checkout; {DISTRIBUTION} on the package index)",
+                     *more])
 
 
 class MissingDependency(KVStoreError, ImportError):

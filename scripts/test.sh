@@ -70,7 +70,10 @@ if command -v redis-server >/dev/null 2>&1; then
     say "found $(command -v redis-server)"
 elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     say "installing Debian's redis-server package (apt-get)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # two commands, not `update && install`: set -e does not stop on a failure left of &&
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    say "  done: $(command -v redis-server)"
     # the package starts a system server on 6379; the tests start their own on free ports
     (service redis-server stop || pkill -x redis-server || true) >/dev/null 2>&1
 else
