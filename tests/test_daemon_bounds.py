@@ -335,7 +335,7 @@ def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_p
                 took.append(time.monotonic() - t0)
         assert flood.poll() is None, "the flood stopped before the PINGs were timed"
         took.sort()
-        assert took[len(took) // 2] < 0.05 and took[-3] < 0.25, took[-5:]
+        assert took[len(took) // 2] < 0.05 and took[-3] < 0.25, {"p50": took[len(took) // 2], "top5": took[-5:]}
     finally:
         flood.kill()
         flood.wait(10)

@@ -35,16 +35,14 @@ import contextlib
 import errno
 import logging
 import os
-import resource
 import signal
 import socket
-import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore.config import Config
-from kvstore.daemon.config import SettingUnusable
+from kvstore.daemon import claims
 from kvstore.daemon.conn import Conn
 from kvstore.daemon.metrics import MetricsServer, daemon_registry
 from kvstore.daemon.ops import Handlers, Reply
@@ -61,14 +59,13 @@ from kvstore.daemon.protocol import (
     unpack_meta,
 )
 from kvstore.daemon.shm import peer_credentials, send_with_fds
-from kvstore.daemon.tenants import Tenant, TenantTable, load_key_secret
-from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, Overloaded, ProtocolError, TierUnavailable
+from kvstore.daemon.tenants import Tenant, TenantTable
+from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _DEGRADED_FOR_S = 2.0        # /health says degraded this long after the last sign of trouble
-_FD_RESERVE = 64             # descriptors kept for the store, the metrics server and logging
 _SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
 _KEEP_SCRATCH = 64 << 20     # a receive buffer up to this size is kept for the next request (a batch)
 _DISCARD_META = 64 << 20     # a tenant's oversize metadata up to this is read past (typed error), not fatal
@@ -114,7 +111,7 @@ class Daemon:
         self.draining = False
         self.requests: dict[str, int] = {op.name: 0 for op in Op}
         self.errors = 0
-        self.max_connections = _connection_limit(config)
+        self.max_connections = claims.connection_limit(config)
         self.handlers = Handlers(self)
         self.registry, self._request_seconds = daemon_registry(self)
         self._listeners: list[socket.socket] = []
@@ -134,25 +131,26 @@ class Daemon:
         """Open the store (unless given), count what each tenant holds, listen."""
         config.check_servable()
         if config.store.nvme is not None and store is None:
-            _usable_dir(config.store.nvme.path, "store.nvme.path")
-            _not_held(config.store.nvme.path, shared=config.store.nvme.read_only)
-        secret = _key_secret(config)
-        _raise_fd_limit()
+            claims.usable_dir(config.store.nvme.path, "store.nvme.path")
+            claims.not_held(config.store.nvme.path, shared=config.store.nvme.read_only)
+        secret = claims.key_secret(config)
+        claims.raise_fd_limit()
         if store is None:
-            store = await _open_store(config)
+            store = await claims.open_store(config)
         self = cls(config, store, secret)
         counted = self.tenants.rebuild(store.iter_owners())
         try:
             listen, metrics_at = config.daemon.listen, config.daemon.metrics
             if listen.unix_path:
-                self._listen(_unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
+                self._listen(claims.unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
             if listen.tcp_port is not None:
-                sock = _tcp_listener(listen.tcp_host, listen.tcp_port,
+                sock = claims.tcp_listener(listen.tcp_host, listen.tcp_port,
                                      ("daemon.listen.tcp_host", "daemon.listen.tcp_port"))
                 self.tcp_port = sock.getsockname()[1]
                 self._listen(sock, self._admit, _shed)
             if metrics_at.port is not None:
-                sock = _tcp_listener(metrics_at.host, metrics_at.port, ("daemon.metrics.host", "daemon.metrics.port"))
+                sock = claims.tcp_listener(metrics_at.host, metrics_at.port,
+                                           ("daemon.metrics.host", "daemon.metrics.port"))
                 self.metrics = metrics = MetricsServer(sock, self)
                 # out of descriptors, a scrape is still served, on the spare one
                 self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
@@ -519,114 +517,6 @@ async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes:
         nbytes -= n
 
 
-def _unix_listener(path: str, mode: int) -> socket.socket:
-    """Bind ``path`` with ``mode``, replacing a stale socket of a crashed daemon
-    but never a live daemon's, nor anything that is not a socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SettingUnusable("daemon.listen.unix_path", path, "exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a stale file from a crashed daemon
-        else:
-            raise SettingUnusable("daemon.listen.unix_path", path, "another daemon is serving there")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        os.chmod(path, mode)   # before listen: no one can connect in between
-        sock.listen(256)
-    except OSError as exc:
-        sock.close()
-        raise SettingUnusable("daemon.listen.unix_path", path, f"cannot listen there: {_why(exc)}") from exc
-    return sock
-
-
-def _tcp_listener(host: str, port: int, settings: tuple[str, str]) -> socket.socket:
-    """A TCP listener on ``host:port``; a failure names the setting at fault,
-    ``settings`` = (the host's, the port's): the host when it does not resolve
-    or is not this machine's, else the port (taken, or privileged)."""
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return socket.create_server((host, port), reuse_port=False)
-    except OSError as exc:
-        if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-            raise SettingUnusable(settings[0], host, f"cannot listen there: {_why(exc)}") from exc
-        raise SettingUnusable(settings[1], port, _why(exc).lower()) from exc
-
-
-def _usable_dir(path: str, setting: str) -> None:
-    """Make the directory ``path`` or say why it cannot be. A read-only one is
-    used as it is (the NVMe tier serves what it holds and refuses puts)."""
-    from kvstore.tiers.nvme.files import unusable_dir  # noqa: PLC0415
-
-    reason = unusable_dir(path, create=True, need_write=False)
-    if reason:
-        raise SettingUnusable(setting, path, reason)
-
-
-def _not_held(path: str, *, shared: bool) -> None:
-    """Refuse a directory another kvstore process uses, before anything is
-    written there (the key secret) and named by its setting: the tier's own
-    lock, taken and let go at once (the store takes it again to open)."""
-    from kvstore.tiers.nvme.files import lock_dir  # noqa: PLC0415
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SettingUnusable("store.nvme.path", path, f"cannot use it: {_why(exc)}") from exc
-    try:
-        lock_dir(fd, path, shared=shared)
-    except TierUnavailable:
-        raise SettingUnusable("store.nvme.path", path, "held by another kvstore process "
-                              "(a daemon or store already uses it)") from None
-    finally:
-        os.close(fd)   # lets the lock go
-
-
-def _key_secret(config: Config) -> bytes:
-    """``load_key_secret``, with a failure naming the directory it is kept in."""
-    try:
-        return load_key_secret(config)
-    except OSError as exc:
-        setting = "daemon.state_dir" if config.daemon.state_dir else "store.nvme.path"
-        raise SettingUnusable(setting, config.state_path, f"cannot keep the key secret there: {_why(exc)}") from exc
-
-
-async def _open_store(config: Config) -> TieredStore:
-    """The configured store; an OS error inside the NVMe directory names that setting."""
-    from kvstore.store.factory import build_store  # noqa: PLC0415 - imports every configured tier
-    try:
-        return await build_store(config)
-    except ConfigError as exc:
-        cause, nvme = exc.__cause__, config.store.nvme
-        if isinstance(cause, OSError) and nvme is not None and _inside(cause.filename, nvme.path):
-            raise SettingUnusable("store.nvme.path", nvme.path, f"cannot use it: {_why(cause)}") from exc
-        raise
-
-
-def _inside(filename: object, directory: str) -> bool:
-    if not isinstance(filename, (str, bytes, os.PathLike)):
-        return False
-    path, top = os.path.abspath(os.fsdecode(filename)), os.path.abspath(directory)
-    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
-
-
-def _why(exc: OSError) -> str:
-    """An OS error's reason without the errno and the path (the caller names
-    the setting; socket.create_server appends the address to its strerror)."""
-    if exc.errno is not None and exc.errno > 0 and not isinstance(exc, socket.gaierror):
-        return os.strerror(exc.errno)
-    return exc.strerror or str(exc) or type(exc).__name__
-
-
 def _shed(sock: socket.socket, done: Callable[[], None]) -> None:
     """What a data listener does with a connection accepted on the spare descriptor."""
     sock.close()
@@ -638,37 +528,6 @@ def _spare() -> int:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return -1
-
-
-def _raise_fd_limit() -> None:
-    """Raise the soft descriptor limit to the hard one: every NVMe segment and
-    every connection holds a descriptor."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                        else max(soft, 1 << 20), hard))
-
-
-def _connection_limit(config: Config) -> int:
-    """``max_connections`` if configured, else what the descriptor limit leaves
-    after the NVMe tier's segments and a reserve (at most 1024)."""
-    if config.daemon.max_connections is not None:
-        return config.daemon.max_connections
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    nvme = config.store.nvme
-    segments = 0
-    if nvme is not None:
-        seg = max(4096, min(nvme.segment_bytes, nvme.capacity_bytes // 4))
-        segments = nvme.capacity_bytes // seg + 2
-    return max(16, min(1024, soft - _open_fds() - segments - _FD_RESERVE))
-
-
-def _open_fds() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return 32
 
 
 # -- entry point ------------------------------------------------------------------------

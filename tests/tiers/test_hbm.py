@@ -394,7 +394,7 @@ def fresh_probe():
 
 def test_cuda_without_cupy_says_what_to_install(monkeypatch, fresh_probe):
     monkeypatch.setitem(sys.modules, "cupy", None)   # fault injection: `import cupy` fails
-    with pytest.raises(MissingDependency, match=r"pip install kvstore\[gpu\]"):
+    with pytest.raises(MissingDependency, match=r"pip install -e '\.\[gpu\]'"):
         HbmTier(HbmConfig(capacity_bytes=1 << 20, block_bytes=BLOCK, device="cuda"))
     tier = HbmTier(HbmConfig(capacity_bytes=1 << 20, block_bytes=BLOCK, device="auto"))
     assert tier.backend.name == "cpu"
