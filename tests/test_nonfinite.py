@@ -29,7 +29,7 @@ from kvstore.identity import CacheIdentity
 from kvstore.schema import section_type
 from kvstore.sessions.ledger import SessionError, SessionLedger, apply
 from kvstore.units import finite
-from tests.test_daemon import IDENT, ThreadDaemon, blocks_for, client, daemon_config, raw_conn, read_reply
+from tests.daemon.test_daemon import IDENT, ThreadDaemon, blocks_for, client, daemon_config, raw_conn, read_reply
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 JSON_BAD = ("NaN", "Infinity", "-Infinity", "1e999")     # as a JSON file writes them (or a typo does)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
-    "fuzz_store", Path(__file__).resolve().parent.parent / "scripts" / "fuzz_store.py")
+    "fuzz_store", Path(__file__).resolve().parents[2] / "scripts" / "fuzz_store.py")
 assert _SPEC is not None and _SPEC.loader is not None
 fuzz_store = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(fuzz_store)

@@ -17,7 +17,7 @@ from kvstore.store.tiered import TieredStore
 from kvstore.tiers.memory import MemoryTier, YieldingMemoryTier
 from kvstore.tiers.nvme import NvmeConfig, NvmeTier
 from kvstore.tiers.segments import FRAME_HEAD_BYTES, SEGMENT_HEADER_BYTES
-from tests.test_store import BB, ID, KEYS, block, dram
+from tests.store.test_store import BB, ID, KEYS, block, dram
 
 OTHER = CacheIdentity("test/other", KVLayout(2, 2, 32, 16, dtype="float16"))
 OTHER_KEYS = block_keys(OTHER, list(range(16 * 24)))

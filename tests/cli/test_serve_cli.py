@@ -40,7 +40,7 @@ IDENT = CacheIdentity("serve-cli-test", KVLayout(num_layers=2, num_kv_heads=2, h
 BB = IDENT.layout.block_bytes
 TOKEN = "token-team-a-1"
 # the daemon runs this checkout's kvstore, wherever the test's cwd is
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                                  os.environ.get("PYTHONPATH")]))}
 
 

@@ -25,7 +25,7 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
 from tests.served import Served
-from tests.test_daemon_isolation import (
+from tests.daemon.test_daemon_isolation import (
     IDENT,
     TOK_EVE,
     TOK_VICTIM,
@@ -295,7 +295,7 @@ import sys, threading
 from kvstore.daemon.client import RemoteConfig, RemoteStore
 from kvstore.daemon.protocol import MAX_KEYS
 from kvstore.keys import block_keys
-from tests.test_daemon_isolation import IDENT
+from tests.daemon.test_daemon_isolation import IDENT
 url, token = sys.argv[1], sys.argv[2]
 keys = block_keys(IDENT, range(16 * MAX_KEYS))
 def flood():
@@ -322,7 +322,7 @@ def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_p
 
     d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path)).start()
     flood = subprocess.Popen([sys.executable, "-c", _FLOOD, d.url, TOK_EVE], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     try:
         for _ in range(4):
             assert flood.stdout.readline().strip() == "flooding"

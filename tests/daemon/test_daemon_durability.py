@@ -24,7 +24,7 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
 from tests.served import MountNamespace, Served, can_make_mount_namespaces
-from tests.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config
+from tests.daemon.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.daemon.protocol import HEADER, MAGIC, VERSION, Op
-from tests.test_daemon import IDENT, TOK_A, TOK_B, ThreadDaemon, blocks_for, client, daemon_config
+from tests.daemon.test_daemon import IDENT, TOK_A, TOK_B, ThreadDaemon, blocks_for, client, daemon_config
 
 FRAMES = int(os.environ.get("KVSTORE_FUZZ_FRAMES", "10000"))
 PER_EXAMPLE = 20

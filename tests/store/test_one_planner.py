@@ -20,7 +20,7 @@ from kvstore.bench.dataplane import DataPlaneConfig, KeyMap, make_data_plane_fac
 from kvstore.bench.replay import ReplayConfig, load_requests, run_online
 from kvstore.bench.workload import AgentWorkloadConfig
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 POLICIES = ("hbm-only", "always-offload", "lru", "s3fifo", "regime", "regime-oracle")
 
 

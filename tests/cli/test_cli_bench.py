@@ -23,7 +23,7 @@ from kvstore.cli.demo import workload_title
 from kvstore.cli.main import main
 from kvstore.gpu import cuda_available
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 QUICK = ["bench", "replay", "--workload", "agent", "--duration", "20", "--working-set", "50K"]
 
 
@@ -248,7 +248,7 @@ def test_replay_wide_shows_every_column_uncut(narrow):
 
 
 def test_piped_output_is_laid_out_for_columns_or_80():
-    root = str(Path(__file__).resolve().parents[1])     # this checkout's kvstore, whatever is installed
+    root = str(Path(__file__).resolve().parents[2])     # this checkout's kvstore, whatever is installed
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get(
         "PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-m", "kvstore", *QUICK, "--no-data-plane"], capture_output=True,
