@@ -24,7 +24,6 @@ from kvstore.errors import Overloaded
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
-from tests.served import Served
 from tests.daemon.test_daemon_isolation import (
     IDENT,
     TOK_EVE,
@@ -36,6 +35,7 @@ from tests.daemon.test_daemon_isolation import (
     reply,
     socket_path,
 )
+from tests.served import Served
 
 pytestmark = pytest.mark.timeout(180)
 

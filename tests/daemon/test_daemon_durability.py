@@ -23,8 +23,8 @@ import pytest
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
-from tests.served import MountNamespace, Served, can_make_mount_namespaces
 from tests.daemon.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config
+from tests.served import MountNamespace, Served, can_make_mount_namespaces
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,8 +8,8 @@ import pytest
 from kvstore.daemon.protocol import STATUS_ERROR, Op, frame
 from kvstore.outcomes import PutOutcome
 from kvstore.sessions import SessionError, TaskNotFound
-from tests.served import Served
 from tests.daemon.test_daemon_isolation import BB, IDENT, TOK_EVE, TOK_VICTIM, blocks_for, config, hello, reply
+from tests.served import Served
 
 pytestmark = pytest.mark.timeout(180)
 
