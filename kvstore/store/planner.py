@@ -324,6 +324,17 @@ class Planner(Generic[K]):
                     self._place(key, below[0], last, src=ti, cause=Cause.FLUSH)
         return self._take()
 
+    # -- two-phase completion and accounts (being built) ------------------------
+    def complete(self, moves: Iterable[Move[K]]) -> None:
+        """Every move of a plan done as planned (the replay, which moves no bytes)."""
+
+    def set_quota(self, owner: int, quota_bytes: int | None) -> None:
+        """The most bytes ``owner``'s blocks may hold (None: no quota)."""
+
+    def owner_bytes(self, owner: int) -> int:
+        """Bytes of ``owner``'s blocks, each counted once however many tiers hold it."""
+        return 0
+
     # -- feedback --------------------------------------------------------------
     def adopt(self, key: K, tier: int, nbytes: int) -> None:
         """``tier`` holds ``key`` (found at start-up): track it, no move."""

@@ -563,6 +563,15 @@ class TieredStore:
             self.planner.placement.set_capacity("hbm", total)
         return total
 
+    def set_quota(self, owner: int, quota_bytes: int | None) -> None:
+        """The most bytes the blocks of ``owner`` (a record's owner tag) may
+        hold; a put past it evicts that owner's own coldest blocks first."""
+        self.planner.set_quota(owner, quota_bytes)
+
+    def owner_bytes(self, owner: int) -> int:
+        """Bytes the blocks of ``owner`` hold in the store (each block once)."""
+        return self.planner.owner_bytes(owner)
+
     def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
         expired, in any tier; NVMe keeps the segments that hold them (a put
