@@ -109,8 +109,10 @@ class Run:
         s = self.s
         if s.leases._refs:
             self.problems.append(f"transfer leases left: {len(s.leases._refs)}")
+        if s.planner.pending():
+            self.problems.append(f"{s.planner.pending()} keys with moves never reported back")
         for t, plan in enumerate(s.planner.tiers):
-            want = sum(plan.footprint(s.planner._held[k][1]) or 0 for k in s.planner.keys_in(t))
+            want = sum(plan.footprint(s.planner.nbytes_of(k)) or 0 for k in s.planner.keys_in(t))
             if want != plan.used:
                 self.problems.append(f"{plan.name}: used {plan.used}, its blocks' footprints {want}")
             if plan.capacity is not None and plan.used > plan.capacity:

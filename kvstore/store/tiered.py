@@ -22,7 +22,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, is_dataclass
 
 import numpy as np
@@ -48,7 +47,6 @@ from kvstore.tiers.base import Tier, check_batch
 log = logging.getLogger("kvstore.store")
 MAX_ENGINE_TOKENS = 1 << 32     # one engine's prefix cache: no GPU holds more tokens
 _GONE_MEMORY = 1 << 20   # remembered reasons for blocks that left the store
-_SETTLE_ROUNDS, _SETTLE_S = 4, 1.0   # an invalidation waits this long for plans in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +114,6 @@ class TieredStore:
         self._block_bytes = 0                  # the last put's block size (_tell_capacities)
         # blocks promoted ahead of a load -> (the tier, the prefetch doing it)
         self._promoted: OrderedDict[BlockKey, tuple[int, asyncio.Task]] = OrderedDict()
-        self._landed = 0                       # blocks written into tiers, ever (see alookup)
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
         self._prefetch_slots = asyncio.Semaphore(max_prefetch)
@@ -159,17 +156,14 @@ class TieredStore:
             if not todo:
                 break
             t0 = time.perf_counter()
-            landed = self._landed
+            asked = self.planner.version
             found = await tier.contains_many([keys[i] for i in todo])
             self._observe(tier.name, "lookup", time.perf_counter() - t0)
-            # the tier's answer may predate a write that landed during the call
-            # (a remote server): then it proves nothing gone
-            settled = landed == self._landed
             for i, hit in zip(todo, found):
                 if hit:
                     where[i] = ti
-                elif settled and keys[i] not in self.leases:   # a write in flight is not there yet
-                    self.planner.lost(keys[i], ti)  # the tier says it is gone (expired, dropped)
+                else:      # the tier says it is gone (expired, dropped), unless it landed since
+                    self.planner.absent(keys[i], ti, asked)
             todo = [i for i in todo if where[i] is None]
         prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
         reasons = [None if w is not None else self._reason(keys[i]) for i, w in enumerate(where)]
@@ -215,7 +209,7 @@ class TieredStore:
             if not self._promoted:
                 return
             key, (to, task) = next(iter(self._promoted.items()))
-            gone = task.done() and not self.planner.holds(key, to) and not self.executor.moving(key)
+            gone = task.done() and not self.planner.planned(key, to)
             if not gone and len(self._promoted) <= _GONE_MEMORY:
                 return
             del self._promoted[key]
@@ -266,7 +260,7 @@ class TieredStore:
         keys, views = check_batch(spec, keys, blocks, writable=False)
         if spec.nbytes != self._block_bytes:
             self._tell_capacities(spec.nbytes)
-        plan = self.planner.put(keys, spec.nbytes)
+        plan = self.planner.put(keys, spec.nbytes, owner)
         waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
                  if st == "exists" and k in self._inflight}
         mine = [k for k, st in zip(keys, plan.status) if st == "planned"]
@@ -279,6 +273,9 @@ class TieredStore:
             self.stats.writethrough_blocks += extra_copies(done.written)
             by_key = _outcomes_by_key(done)
             out = [self._put_outcome(k, st, by_key.get(k, {})) for k, st in zip(keys, plan.status)]
+            for k, st in zip(keys, plan.status):      # evicted by its own batch before it landed
+                if st == "planned" and k not in by_key and not self.planner.held_anywhere(k):
+                    self._forget(k, MissReason.EVICTED)
             await self._take_back(keys, out, by_key)
             outcomes = {k: o for k, o in zip(keys, out)}
         finally:
@@ -323,17 +320,11 @@ class TieredStore:
             await self._apply(moves, {})
 
     async def _apply(self, moves: list, have: dict[BlockKey, Held], since: int | None = None) -> Applied:
-        """Execute a plan under transfer leases on every key it names (taken
-        before the first await, so no concurrent plan evicts them), fencing
-        copies of namespaces invalidated meanwhile; then remember where
-        blocks went and why others left. ``since``: the epoch the caller's
-        operation began at (its reads came before this plan)."""
+        """Execute an issued plan, fencing namespaces invalidated meanwhile;
+        then remember where blocks went and why others left. ``since``: the
+        epoch the caller's operation began at (its reads came before this plan)."""
         start = self._epoch if since is None else since
-        with ExitStack() as held:
-            done = await self.executor.apply(
-                moves, have, hold=lambda keys: held.enter_context(self.leases.transfer(keys)),
-                fenced=lambda ns: self._invalidated_since(ns, start))
-        self._landed += len(done.landed)
+        done = await self.executor.apply(moves, have, fenced=lambda ns: self._invalidated_since(ns, start))
         for key, spec in done.landed.items():
             self._remember_ns(key, spec.namespace)
             self._gone.pop(key, None)
@@ -382,10 +373,9 @@ class TieredStore:
         result: list[MissReason | None] = [MissReason.NEVER_STORED] * len(keys)
         hit_tier: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        # A hit the planner knew nowhere when the reads began, and no plan was
-        # writing or deleting, is adopted (another process wrote it to a shared tier); one
-        # it placed elsewhere or saw leave meanwhile is a copy on its way out.
-        strangers = {k for k in keys if not self.planner.held_anywhere(k) and not self.executor.moving(k)}
+        # a hit the planner does not know is adopted (another process wrote it
+        # to a shared tier) unless it left the store, or was invalidated, while read
+        since = self.planner.version
         with self.leases.transfer(keys):
             for ti, tier in enumerate(self.tiers):
                 if not todo:
@@ -397,9 +387,8 @@ class TieredStore:
             hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
             for i, t in hits:
                 self._promoted_read(keys[i], t)
-            adopt = strangers if self._epoch == start else set()
             moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
-                                      adopt=adopt)
+                                      since=since if self._epoch == start else None, owner=owner)
             await self._apply(moves, {keys[i]: Held(spec, views[i]) for i, _ in hits}, since=start)
         for i, r in enumerate(result):
             if r is None:
@@ -478,14 +467,15 @@ class TieredStore:
     async def _adopt_unknown(self, keys: list[BlockKey], above: int) -> None:
         """Tell the planner of blocks below tier ``above`` that it does not
         know (another process wrote them to a shared tier)."""
-        todo = [k for k in keys if self.planner.locate(k) is None and not self.executor.moving(k)]
+        todo = [k for k in keys if not self.planner.known(k)]
         for t in range(above + 1, len(self.tiers)):
             if not todo:
                 return
+            since = self.planner.version
             heads = await self.tiers[t].stat_many(todo)
             for key, head in zip(todo, heads):
                 if head is not None:
-                    self.planner.adopt(key, t, head.raw_len)
+                    self.planner.adopt(key, t, head.raw_len, head.owner, since=since)
             todo = [k for k, h in zip(todo, heads) if h is None]
 
     def _tell_capacities(self, block_bytes: int) -> None:
@@ -565,7 +555,9 @@ class TieredStore:
 
     def set_quota(self, owner: int, quota_bytes: int | None) -> None:
         """The most bytes the blocks of ``owner`` (a record's owner tag) may
-        hold; a put past it evicts that owner's own coldest blocks first."""
+        hold (None or 0: no quota); a put past it evicts that owner's own
+        coldest blocks from the whole store first (see
+        :mod:`kvstore.store.accounts`), NO_SPACE only when none can go."""
         self.planner.set_quota(owner, quota_bytes)
 
     def owner_bytes(self, owner: int) -> int:
@@ -595,31 +587,22 @@ class TieredStore:
         for tier in self.tiers:
             dropped += await tier.drop_namespace(ns)
         # The planner does not know every block's namespace (blocks adopted at
-        # start or on a read), so it learns what went from the tiers themselves.
-        # A block a plan in flight still writes is judged once that plan is
-        # done (it may have planned on the belief the drop just made stale).
-        for _ in range(_SETTLE_ROUNDS):
-            if not self._forget_dropped(ns):
-                break
-            await self.executor.settle(_SETTLE_S)
+        # start or on a read), so it learns what went from the tiers themselves:
+        # what has landed and is listed no more. A write in flight settles when
+        # it lands (one of this namespace is fenced: deleted again).
+        self._forget_dropped(ns)
         self.stats.invalidated_blocks += dropped
         return dropped
 
-    def _forget_dropped(self, ns: bytes) -> int:
-        """Tell the planner of every block it places where the tier no longer
-        has it; returns how many were passed over because a plan writes them."""
-        passed = 0
+    def _forget_dropped(self, ns: bytes) -> None:
+        """Tell the planner of every block landed where the tier no longer has it."""
         for t, tier in enumerate(self.tiers):
             held = set(tier.iter_keys())
             for key in [k for k in self.planner.keys_in(t) if k not in held]:
-                if self.executor.writing(key):
-                    passed += 1
-                    continue
                 self.planner.lost(key, t)
                 if not self.planner.held_anywhere(key):
                     self._forget(key, MissReason.INVALIDATED if self._ns_of.get(key, ns) == ns
                                  else MissReason.EVICTED)
-        return passed
 
     async def astat(self, key: BlockKey) -> RecordHeader | None:
         for tier in self.tiers:
@@ -699,8 +682,8 @@ def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
              for t, order in zip(tiers, orders)]
     planner = Planner(plans, placement, protected=protected, sessions=sessions, durable=durable)
     for ti, tier in enumerate(tiers):     # blocks a tier held before we started
-        for key, _owner, nbytes in tier.iter_owners():
-            planner.adopt(key, ti, nbytes)
+        for key, owner, nbytes in tier.iter_owners():
+            planner.adopt(key, ti, nbytes, owner)
     return planner
 
 

@@ -1,4 +1,6 @@
-"""The planner alone: pure decisions, no bytes (kvstore.store.planner, kvstore.moves.net_effect)."""
+"""The planner alone: pure decisions, no bytes (kvstore.store.planner). Plans
+land at once here, as in the replay (:class:`Landing`); the two-phase rules
+themselves are tested in test_planner_moves.py."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +8,7 @@ import pytest
 from kvstore.errors import KVStoreError
 from kvstore.policies.eviction import LRU
 from kvstore.policies.placement import Cascade, HbmOnly, WriteThrough
-from kvstore.store.moves import net_effect
-from kvstore.store.planner import Cause, Kind, Move, Planner, TierPlan
+from kvstore.store.planner import Cause, Kind, Move, Planner, PutPlan, TierPlan
 
 
 def plan_tiers(*caps, persistent=(), footprint=None):
@@ -15,9 +16,30 @@ def plan_tiers(*caps, persistent=(), footprint=None):
             for i, cap in enumerate(caps)]
 
 
-def planner(*caps, placement=None, **kw):
+class Landing:
+    """A planner whose every plan lands at once, as the replay's do (PlanReplay)."""
+
+    PLANS = frozenset({"put", "hits", "prefetch", "flush", "discard"})
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+
+    def __getattr__(self, name):
+        attr = getattr(self.planner, name)
+        if name not in self.PLANS:
+            return attr
+
+        def plan_and_land(*args, **kw):
+            out = attr(*args, **kw)
+            self.planner.complete(out.moves if isinstance(out, PutPlan) else out)
+            return out
+        return plan_and_land
+
+
+def planner(*caps, placement=None, land=True, **kw):
     tiers = plan_tiers(*caps, persistent=kw.pop("persistent", ()))
-    return Planner(tiers, placement or Cascade([t.name for t in tiers]), **kw)
+    p = Planner(tiers, placement or Cascade([t.name for t in tiers]), **kw)
+    return Landing(p) if land else p
 
 
 def ops(moves):
@@ -48,9 +70,10 @@ def test_a_batch_larger_than_the_tier_demotes_its_own_first_blocks():
     plan = p.put(list("abcd"), 1)
     assert plan.status == ["planned"] * 4
     assert [p.locate(k) for k in "abcd"] == [1, 1, 0, 0]
-    deletes, writes = net_effect(plan.moves)
-    assert deletes == []                                  # a and b never reach tier 0
-    assert sorted((m.key, m.tier) for m in writes) == [("a", 1), ("b", 1), ("c", 0), ("d", 0)]
+    # a and b never reach tier 0: their demotions write the put's bytes straight to tier 1
+    assert sorted(ops(plan.moves)) == [("store", "a", 1), ("store", "b", 1), ("store", "c", 0), ("store", "d", 0)]
+    assert [m.cause for m in plan.moves if m.key in "ab"] == [Cause.DEMOTE, Cause.DEMOTE]
+    assert p.tiers[0].evictions == 2 and p.tiers[0].used == 2 and p.pending() == 0
 
 
 def test_nothing_evictable_falls_through_to_the_next_tier():
@@ -79,15 +102,21 @@ def test_a_hit_promotes_without_evicting_its_own_batch():
 
 
 def test_refused_put_falls_through_and_a_refused_durable_put_does_not():
-    p = planner(2, 2, 2)
+    p = planner(2, 2, 2, land=False)
     move = p.put(["a"], 1).moves[0]
-    assert ops(p.refused(move)) == [("store", "a", 1)]
-    assert not p.holds("a", 0) and p.locate("a") == 1 and p.tiers[0].used == 0
-    d = planner(2, 2, persistent=(1,), durable=1)
+    fallen = p.refused(move)
+    assert ops(fallen) == [("store", "a", 1)]
+    p.complete(fallen)
+    assert not p.holds("a", 0) and p.locate("a") == 1 and p.tiers[0].used == 0 and p.pending() == 0
+    d = planner(2, 2, persistent=(1,), durable=1, land=False)
     plan = d.put(["a"], 1)
     durable = next(m for m in plan.moves if m.tier == 1)
     assert d.refused(durable) == []
-    assert ops(d.discard("a", [0])) == [("drop", "a", 0)] and not d.held_anywhere("a")
+    d.complete(m for m in plan.moves if m is not durable)
+    dropped = d.discard("a", [0])
+    assert ops(dropped) == [("drop", "a", 0)]
+    d.complete(dropped)
+    assert not d.held_anywhere("a") and not d.known("a") and d.pending() == 0
 
 
 def test_durable_puts_go_to_the_durable_tier_first_and_no_room_there_stores_nothing():
@@ -120,15 +149,6 @@ def test_prefetch_copies_up_and_flush_copies_volatile_blocks_down_once():
     flushed = p.flush()
     assert sorted((m.key, m.tier, m.src) for m in flushed) == [("a", 2, 0), ("b", 2, 1)]
     assert p.flush() == []
-
-
-def test_net_effect_drops_what_was_there_and_writes_what_was_not():
-    moves = [Move(Kind.STORE, "x", 0), Move(Kind.DROP, "x", 0, cause=Cause.EVICT),
-             Move(Kind.DROP, "y", 0, cause=Cause.EVICT), Move(Kind.COPY, "y", 0, src=1),
-             Move(Kind.DROP, "z", 1, cause=Cause.EVICT), Move(Kind.COPY, "w", 1, src=0)]
-    deletes, writes = net_effect(moves)
-    assert deletes == [("z", 1)]
-    assert [(m.key, m.tier) for m in writes] == [("w", 1)]
 
 
 def test_write_through_puts_every_block_in_both_tiers():
@@ -167,7 +187,7 @@ def test_a_held_block_goes_down_under_pressure_and_never_out_of_the_slowest_tier
     the slowest tier's victim; released, they go like any block."""
     hints = Hints(held={"a"})
     tiers = plan_tiers(1, 2)
-    p = Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints)   # HbmOnly demotes nothing
+    p = Landing(Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints))   # HbmOnly demotes nothing
     p.put(["a"], 1)
     assert ops(p.put(["b"], 1).moves) == [("copy", "a", 1, 0), ("drop", "a", 0), ("store", "b", 0)]
     p2 = planner(1, 1, sessions=hints)
@@ -186,7 +206,7 @@ def test_a_held_block_goes_down_under_pressure_and_never_out_of_the_slowest_tier
 def test_a_block_past_its_hold_is_demoted_before_it_is_dropped():
     hints = Hints(referenced={"a", "b"})                   # paused tasks past their hold still reference them
     tiers = plan_tiers(1, 1)
-    p = Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints)
+    p = Landing(Planner(tiers, HbmOnly([t.name for t in tiers]), sessions=hints))
     p.put(["a"], 1)
     p.put(["b"], 1)
     assert p.locate("a") == 1                              # demoted, though the placement demotes nothing
