@@ -5,6 +5,12 @@ its own capacity; it never decides what to evict (policies do) and never
 talks to other tiers (the store does). Batch forms are the primitive: a
 single ``put`` is a batch of one.
 
+The Protocol holds what the control plane (:mod:`kvstore.store`, the daemon,
+the CLI, the benchmarks) calls and nothing else; a tier's own helpers stay
+private to it. Units: bytes throughout. Properties and plain methods never
+block (no I/O: they answer from memory); the coroutines may do I/O, run on
+one event loop, and tiers are not thread-safe unless they say so.
+
 Contract, tested for every tier by ``tests/tiers/contract.py``:
 
 * ``put_many`` is idempotent (same key -> ``EXISTS``) and validates the whole
@@ -14,8 +20,13 @@ Contract, tested for every tier by ``tests/tiers/contract.py``:
   namespace differs from ``spec`` raises :class:`LayoutMismatch`.
 * ``used_bytes <= capacity_bytes`` always; a put that does not fit returns
   ``NO_SPACE`` and stores nothing.
-* All methods are coroutines run on one event loop; tiers are not thread-safe
-  unless they say so.
+* Space, as the planner budgets it: ``budget_bytes <= capacity_bytes``;
+  ``footprint(n)`` is None exactly when the empty tier refuses a block of
+  ``n`` (incompressible) bytes, else ``n <= footprint(n) <= capacity_bytes``; from empty, the
+  tier stores ``budget_bytes // footprint(n)`` distinct blocks of ``n`` bytes,
+  every one ``STORED`` and readable, evicting none of them by itself, and then
+  holds ``used_bytes`` between their payload bytes and their footprints plus
+  ``capacity_bytes - budget_bytes``.
 """
 from __future__ import annotations
 
@@ -33,33 +44,54 @@ from kvstore.record import HEADER_BYTES, BlockSpec, RecordHeader, as_bytes_view,
 
 @runtime_checkable
 class Tier(Protocol):
-    name: str
-    persistent: bool          # contents survive a restart of the process
-    self_evicting: bool       # makes room by itself when full (NVMe segments); see drain_evicted
+    """What the store, the daemon, the CLI and the benchmarks call on a tier."""
+
+    name: str                 # unique among a store's tiers: stats, metrics and logs key on it
+    persistent: bool          # contents survive a restart of the process (NVMe, Redis)
+    self_evicting: bool       # may drop blocks by itself to make room (NVMe segments); see drain_evicted
     counters: object          # the tier's own running totals: a dataclass instance (snapshots show it)
 
     @property
-    def capacity_bytes(self) -> int: ...
+    def capacity_bytes(self) -> int:
+        """Bytes the tier may ever occupy (its arena, disk share or ledger limit)."""
     @property
-    def used_bytes(self) -> int: ...
+    def used_bytes(self) -> int:
+        """Bytes occupied now, overheads included; never above ``capacity_bytes``."""
     @property
-    def budget_bytes(self) -> int: ...
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool: ...
-    def admits(self, spec: BlockSpec) -> bool: ...
-    def footprint(self, nbytes: int) -> int | None: ...
-    def iter_keys(self) -> Iterator[BlockKey]: ...
-    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]: ...
-    def drain_evicted(self) -> list[BlockKey]: ...
-    def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None: ...
-    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
-    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]: ...
+    def budget_bytes(self) -> int:
+        """Bytes of footprints the store's planner fills before it evicts by its
+        policy: ``<= capacity_bytes``, less where the tier needs room of its own."""
+    def footprint(self, nbytes: int) -> int | None:
+        """Bytes of the budget one block of ``nbytes`` takes here (``>= nbytes``),
+        or None if this tier can never store it (the store then skips the tier)."""
+    def iter_keys(self) -> Iterator[BlockKey]:
+        """A snapshot of the keys held."""
+    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
+        """A snapshot of (key, owner, raw payload bytes) per block held."""
+    def drain_evicted(self) -> list[BlockKey]:
+        """Keys the tier dropped by itself since the last call (once each)."""
+    def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None:
+        """From now on keep blocks for which ``any_pinned`` is true when evicting by itself."""
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is held (False where the backend is down)."""
+    async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
+        """Each key's record header, or None where it is not held."""
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
-                       payloads: Sequence[object]) -> list[PutOutcome]: ...
+                       payloads: Sequence[object]) -> list[PutOutcome]:
+        """Store each payload; one outcome per key (STORED, EXISTS, NO_SPACE,
+        UNAVAILABLE). Returns once the bytes are stored: the caller may reuse
+        its buffers. Bad input (key, size, dtype) raises and stores nothing."""
     async def get_into_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
-                            dsts: Sequence[object]) -> list[GetOutcome]: ...
-    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]: ...
-    async def drop_namespace(self, namespace: bytes) -> int: ...
-    async def close(self) -> None: ...
+                            dsts: Sequence[object]) -> list[GetOutcome]:
+        """Copy each held block into its ``dst``; one outcome per key. Another
+        owner's record is a MISS; another layout or namespace raises
+        :class:`LayoutMismatch` before any ``dst`` is written."""
+    async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Delete each key; whether it was held."""
+    async def drop_namespace(self, namespace: bytes) -> int:
+        """Delete every block of ``namespace``; how many went."""
+    async def close(self) -> None:
+        """Release the tier's resources (files, sockets, arenas); call once, last."""
 
 
 def check_batch(spec: BlockSpec, keys: Sequence[object], bufs: Sequence[object], *,
@@ -94,12 +126,6 @@ class TierOps:
 
     def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None:
         """Keep blocks for which ``any_pinned`` is true when evicting by itself (nothing to do)."""
-
-    def admits(self, spec: BlockSpec) -> bool:
-        """Whether a block of ``spec`` could ever be stored here (empty tier).
-        False for a block larger than the tier's unit of space: the store then
-        skips the tier (and evicts nothing for it) instead of failing the put."""
-        return spec.nbytes <= self.capacity_bytes  # type: ignore[attr-defined]
 
     @property
     def budget_bytes(self) -> int:

@@ -51,12 +51,14 @@ def encode(payload: memoryview, codec: str) -> tuple[memoryview | bytes, int]:
     """Return (stored bytes, extra record flags). Raw payload back if it does not pay.
 
     The raw ``payload`` view is returned as is (no copy) when not compressing.
+    An odd-length payload has no 16-bit lanes: ``lz4-shuffle`` compresses it
+    unshuffled (a block of any size is stored, as without compression).
     """
     if codec == "none":
         return payload, 0
     flags = FLAG_LZ4
     src: object = payload
-    if codec == "lz4-shuffle":
+    if codec == "lz4-shuffle" and payload.nbytes % 2 == 0:
         src = shuffle16(payload)
         flags |= FLAG_SHUFFLE
     packed = lz4.block.compress(src, store_size=False)

@@ -187,17 +187,9 @@ class HbmTier(TierOps):
     def slot_bytes(self) -> int:
         return self._slot
 
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        if not self._block:
-            return self.config.capacity_bytes // slot_bytes_for(spec.nbytes) >= count
-        return spec.nbytes == self._block and len(self._free) >= count
-
-    def admits(self, spec: BlockSpec) -> bool:
-        """One block size per arena: the first put cuts the slots."""
-        return self.fits(spec, 1) if not self._block else spec.nbytes == self._block
-
     def footprint(self, nbytes: int) -> int | None:
-        """One slot; None for a second block size (the arena has one)."""
+        """One slot; None for a second block size (the arena has one) or a
+        slot larger than the arena."""
         if self._block and nbytes != self._block:
             return None
         slot = slot_bytes_for(nbytes)

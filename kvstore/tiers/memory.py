@@ -31,11 +31,8 @@ class MemoryTier(TierOps):
     def used_bytes(self) -> int:
         return self._used
 
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        return self._used + count * (HEADER_BYTES + spec.nbytes) <= self._capacity
-
-    def admits(self, spec: BlockSpec) -> bool:
-        return HEADER_BYTES + spec.nbytes <= self._capacity
+    def _has_room(self, spec: BlockSpec) -> bool:
+        return self._used + HEADER_BYTES + spec.nbytes <= self._capacity
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._records))
@@ -56,7 +53,7 @@ class MemoryTier(TierOps):
         for key, view in zip(keys, views):
             if key in self._records:
                 out.append(PutOutcome.EXISTS)
-            elif not self.fits(spec):
+            elif not self._has_room(spec):
                 out.append(PutOutcome.NO_SPACE)
             else:
                 self._records[key] = (make_header(key, spec, view), bytes(view))

@@ -1,7 +1,12 @@
 """The contract every tier passes. Subclass ``TierContract`` and define
-``make_tier(self, tmp_path, capacity_bytes)`` (a coroutine). A subclass whose
-tier evicts by itself when full (NVMe segments, Redis maxmemory) sets
-``self_evicting = True``; the others must answer ``NO_SPACE``.
+``make_tier(self, tmp_path, capacity_bytes)`` (a coroutine; ``tmp_path`` is
+a fresh directory for each tier it makes). A subclass whose tier evicts by
+itself when full (NVMe segments) sets ``self_evicting = True``; the others
+must answer ``NO_SPACE``.
+
+Space is checked as the store's planner uses it (``budget_bytes`` and
+``footprint``, see :mod:`kvstore.tiers.base`): a tier whose footprints or
+budget promise room it does not have, or hide room it has, fails here.
 """
 from __future__ import annotations
 
@@ -28,7 +33,37 @@ def key(i: int) -> bytes:
 
 
 def payload(i: int, nbytes: int = BLOCK) -> np.ndarray:
+    """Random bytes: incompressible, so a compressing tier stores them raw."""
     return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def sized(nbytes: int) -> BlockSpec:
+    return BlockSpec(SPEC.namespace, SPEC.layout, nbytes)
+
+
+# block sizes for the budget checks: a DRAM slot (4 KiB-rounded) sharing its
+# page unevenly, the suite's block, and one that rounds a page into 3 slots
+FILL_SIZES = (5000, BLOCK, 20000)
+
+
+def fill_to_budget(tier, run, nbytes: int, first: int = 0) -> list[int]:
+    """Put ``budget_bytes // footprint(nbytes)`` distinct blocks of ``nbytes``
+    (indices ``first``...) into ``tier``, which must not hold any of them:
+    the planner's arithmetic says they fit, so each must be STORED, none
+    evicted by the tier, each readable byte-exact. Returns their indices."""
+    need = tier.footprint(nbytes)
+    assert need is not None and nbytes <= need <= tier.capacity_bytes, (nbytes, need)
+    count = tier.budget_bytes // need
+    idx = list(range(first, first + count))
+    spec = sized(nbytes)
+    outs = [run(tier.put(spec, key(i), payload(i, nbytes))) for i in idx]
+    assert outs == [PutOutcome.STORED] * count, \
+        f"{count} blocks of footprint {need} within a budget of {tier.budget_bytes}: {outs}"
+    assert tier.drain_evicted() == [], "the budget's blocks made the tier evict by itself"
+    assert run(tier.contains_many([key(i) for i in idx])) == [True] * count
+    for i in idx:
+        assert np.array_equal(run(tier.get(spec, key(i))), payload(i, nbytes))
+    return idx
 
 
 class TierContract:
@@ -108,32 +143,89 @@ class TierContract:
         assert run(tier.delete_many([key(0), key(9)])) == [True, False]
         assert sorted(tier.iter_keys()) == sorted(keys[1:])
 
-    # -- capacity -------------------------------------------------------
+    # -- capacity ---------------------------------------------------------
     def test_capacity_is_never_exceeded(self, tier, loop):
         run = loop.run_until_complete
         outcomes = []
         for i in range(self.capacity_blocks * 3):
             outcomes.append(run(tier.put(SPEC, key(i), payload(i))))
             assert tier.used_bytes <= tier.capacity_bytes
+            if not self.self_evicting and outcomes[-1] is PutOutcome.NO_SPACE:
+                # refused for space: by the planner's arithmetic it has no room either
+                assert tier.used_bytes + tier.footprint(BLOCK) > tier.budget_bytes
         stored = [i for i, o in enumerate(outcomes) if o is PutOutcome.STORED]
         assert len(stored) >= self.capacity_blocks // 2
         if not self.self_evicting:
             assert PutOutcome.NO_SPACE in outcomes
-            assert not tier.fits(SPEC)
         held = [i for i in stored if run(tier.contains(key(i)))]
         assert held, "a full tier must still hold blocks"
         for i in held:
             assert np.array_equal(run(tier.get(SPEC, key(i))), payload(i))
 
-    def test_fits_frees_after_delete(self, tier, loop):
+    # -- space as the planner budgets it ------------------------------------
+    def _fresh(self, loop, tmp_path, name: str):
+        """Another empty tier like the fixture's (its own directory, prefix, arena)."""
+        where = tmp_path / name
+        where.mkdir()
+        cap = self.capacity_blocks * (BLOCK + HEADER_BYTES) + 4096
+        return loop.run_until_complete(self.make_tier(where, cap))
+
+    def test_budget_is_within_capacity(self, tier):
+        assert 0 < tier.budget_bytes <= tier.capacity_bytes
+        assert tier.used_bytes == 0
+
+    def test_footprint_is_none_exactly_when_the_empty_tier_refuses(self, tier, loop, tmp_path):
+        """Sizes across every tier's edges (a DRAM page, HBM's slot padding,
+        headers and frames, the capacity itself), each put into an empty
+        tier: a footprint promises that the block is stored, None that it is
+        not (NO_SPACE, or InvalidBlock for a size the tier never takes)."""
         run = loop.run_until_complete
-        i = 0
-        while tier.fits(SPEC) and i < 100:
-            run(tier.put(SPEC, key(i), payload(i)))
-            i += 1
-        run(tier.delete_many([key(j) for j in range(i)]))
-        assert tier.fits(SPEC)
-        assert run(tier.put(SPEC, key(500), payload(500))) is PutOutcome.STORED
+        cap = tier.capacity_bytes
+        sizes = sorted({1, 4096, BLOCK, 65536, 65537, cap // 2, cap + 1, 2 * cap}
+                       | {cap - d for d in (0, 1, 95, 96, 97, 167, 168, 169, 255, 256, 257, 4096)})
+        for n in sizes:
+            fresh = self._fresh(loop, tmp_path, f"n{n}")
+            try:
+                need = fresh.footprint(n)
+                try:
+                    out = run(fresh.put(sized(n), key(1), payload(1, n)))
+                except InvalidBlock:
+                    out = None
+                if need is None:
+                    assert out is not PutOutcome.STORED, f"footprint({n}) is None, but a put stored it"
+                    assert fresh.used_bytes == 0 and list(fresh.iter_keys()) == []
+                    continue
+                assert n <= need <= fresh.capacity_bytes, (n, need, fresh.capacity_bytes)
+                assert out is PutOutcome.STORED, f"footprint({n}) = {need}, but the empty tier answered {out}"
+                assert n <= fresh.used_bytes <= fresh.capacity_bytes
+                assert np.array_equal(run(fresh.get(sized(n), key(1))), payload(1, n))
+            finally:
+                run(fresh.close())
+
+    @pytest.mark.parametrize("nbytes", FILL_SIZES)
+    def test_a_budget_of_blocks_is_stored(self, tier, loop, nbytes):
+        """``budget_bytes // footprint(n)`` blocks of ``n`` bytes all fit (the
+        planner fills a tier that far), and ``used_bytes`` then counts at
+        least their payloads and at most their footprints plus the room the
+        tier keeps outside its budget."""
+        run = loop.run_until_complete
+        need = tier.footprint(nbytes)
+        if need is None:        # a tier of one other block size (HBM): the sweep above covers it
+            assert nbytes != BLOCK
+            return
+        idx = fill_to_budget(tier, run, nbytes)
+        assert len(idx) >= 1 and sorted(tier.iter_keys()) == sorted(key(i) for i in idx)
+        slack = tier.capacity_bytes - tier.budget_bytes
+        assert len(idx) * nbytes <= tier.used_bytes <= len(idx) * need + slack
+        assert tier.used_bytes <= tier.capacity_bytes
+
+    def test_room_comes_back_after_delete(self, tier, loop):
+        run = loop.run_until_complete
+        first = fill_to_budget(tier, run, BLOCK)
+        assert run(tier.delete_many([key(i) for i in first])) == [True] * len(first)
+        assert list(tier.iter_keys()) == []
+        again = fill_to_budget(tier, run, BLOCK, first=1000)
+        assert len(again) == len(first)
 
     # -- bad input leaves the tier unchanged ------------------------------
     def _snapshot(self, tier):

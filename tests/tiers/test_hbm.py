@@ -159,7 +159,7 @@ def test_slots_hold_header_then_aligned_payload():
 
 def test_an_open_block_size_is_fixed_by_the_first_put():
     tier = HbmTier(HbmConfig(capacity_bytes=3 * slot_bytes_for(BLOCK) + 100, device="cpu"))
-    assert tier.block_bytes is None and tier.fits(SPEC, 3) and not tier.fits(SPEC, 4)
+    assert tier.block_bytes is None and tier.budget_bytes // tier.footprint(BLOCK) == 3
     assert run(tier.get_into(SPEC, key(1), np.zeros(BLOCK, np.uint8))) is GetOutcome.MISS
     with pytest.raises(InvalidBlock):     # a bad batch fixes nothing
         run(tier.put_many(SPEC, [key(1)], [payload(1, BLOCK - 1)]))
@@ -189,7 +189,7 @@ def test_another_block_size_is_refused_and_changes_nothing():
     small = BlockSpec(SPEC.namespace, SPEC.layout, BLOCK // 2)
     with pytest.raises(InvalidBlock):
         run(tier.put(small, key(2), payload(2, BLOCK // 2)))
-    assert not tier.fits(small) and tier.fits(SPEC)
+    assert tier.footprint(small.nbytes) is None and tier.footprint(BLOCK) == tier.slot_bytes
     assert sorted(tier.iter_keys()) == [key(1)] and tier.used_bytes == tier.slot_bytes
     with pytest.raises(LayoutMismatch):  # a stored block read with another size
         run(tier.get_into(small, key(1), np.zeros(BLOCK // 2, np.uint8)))

@@ -52,7 +52,7 @@ import pytest  # noqa: E402
 from kvstore.errors import ConfigError, TierUnavailable  # noqa: E402
 from kvstore.outcomes import GetOutcome, PutOutcome  # noqa: E402
 
-from .contract import SPEC, key, payload  # noqa: E402
+from .contract import SPEC, fill_to_budget, key, payload  # noqa: E402
 
 
 def cfg(path: Path, blocks: int = 64, seg_blocks: int = 4, **kw) -> NvmeConfig:
@@ -407,13 +407,36 @@ def test_a_read_only_tier_reads_and_changes_nothing(tmp_path):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("nbytes, seg_records, spare", [
+    (BLOCK, 2, 100), (BLOCK, 1, 0), (BLOCK, 3, 1), (5000, 7, 40), (4096 - FRAME_HEAD_BYTES, 1, 0),
+    (40, 50, 0)])
+@pytest.mark.parametrize("budget", ["default", "capacity"])
+def test_a_budget_of_blocks_fits_without_eviction(tmp_path, nbytes, seg_records, spare, budget):
+    """The planner fills ``budget_bytes // footprint`` blocks; the segment
+    headers they need must fit the capacity too, even where the config asks
+    for a budget of the whole capacity (the tier answers less)."""
+    rec = FRAME_HEAD_BYTES + nbytes
+    cap = max(4096, 8 * rec + spare)
+    conf = NvmeConfig(tmp_path, cap, segment_bytes=max(4096, seg_bytes(seg_records, rec)),
+                      background_compaction=False, budget_bytes=cap if budget == "capacity" else None)
+    loop = asyncio.new_event_loop()
+    tier = NvmeTier(conf)
+    try:
+        assert tier.budget_bytes <= (cap * 3 // 4 if budget == "default" else cap)
+        fill_to_budget(tier, loop.run_until_complete, nbytes)
+        assert tier.used_bytes <= tier.capacity_bytes and tier.counters.evicted_segments == 0
+    finally:
+        loop.run_until_complete(tier.close())
+        loop.close()
+
+
 def test_record_larger_than_the_tier_is_refused(tmp_path):
     async def main():
         tier = NvmeTier(cfg(tmp_path, blocks=2))
         big = np.zeros(3 * BLOCK, np.uint8)
         spec = dataclasses.replace(SPEC, nbytes=big.nbytes)
         assert await tier.put(spec, key(1), big) is PutOutcome.NO_SPACE
-        assert tier.used_bytes == 0 and not tier.fits(spec)
+        assert tier.used_bytes == 0 and tier.footprint(spec.nbytes) is None
         await tier.close()
     asyncio.run(main())
 
@@ -747,7 +770,7 @@ def fill_with_a_failed_copy_of_0(tier, monkeypatch):
         await tier.compact()
         monkeypatch.setattr(tier.io, "write_group", real)
         i = 4
-        while tier.fits(SPEC):
+        while tier.used_bytes + REC <= tier.capacity_bytes:   # room for one more record
             await put(tier, [i])
             i += 1
         return i

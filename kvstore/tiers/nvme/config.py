@@ -24,7 +24,9 @@ class NvmeConfig(Section):
     tree_path = "store.nvme"
     path: Annotated[str, BeforeValidator(_fspath), Field(min_length=1)]
     capacity_bytes: Annotated[Size, Field(ge=MIN_CAPACITY_BYTES)]
-    budget_bytes: Annotated[Size, Field(ge=1)] | None = None   # live bytes the store fills; None: 3/4 of capacity
+    # live bytes the store fills; None: 3/4 of capacity; near the capacity the tier
+    # answers less (NvmeTier.budget_bytes: room for the segment headers)
+    budget_bytes: Annotated[Size, Field(ge=1)] | None = None
     segment_bytes: Annotated[Size, Field(ge=4096)] = DEFAULT_SEGMENT_BYTES
     durability: Literal["none", "fsync"] = "none"   # fsync: fdatasync before a put is acknowledged
     io_threads: Count = 4

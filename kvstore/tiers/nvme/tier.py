@@ -195,17 +195,19 @@ class NvmeTier(TierOps):
         """The frames the store's planner keeps live here (it evicts by its
         policy past that): by default 3/4 of the capacity, the rest holding
         dead records and tombstones until compaction reclaims them, so the
-        tier's own FIFO eviction stays a fallback (see ``Compactor.pressure``)."""
+        tier's own FIFO eviction stays a fallback (see ``Compactor.pressure``).
+
+        Never more than the frames that fit beside their segment headers: a
+        segment holds at least (limit - header) / 2 bytes of frames (whole
+        frames, at least one), so frames of ``B`` bytes need at most
+        ``B * 128 / (limit - 64) + 64`` bytes of headers. A configured
+        budget near the capacity is cut to that (by at most ~3%)."""
         budget = self.config.budget_bytes
-        return budget if budget is not None else self.capacity_bytes * 3 // 4
-
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        """Whether ``count`` blocks fit without evicting anything."""
-        return self.used_bytes + count * (FRAME_HEAD_BYTES + spec.nbytes) <= self.capacity_bytes
-
-    def admits(self, spec: BlockSpec) -> bool:
-        """A record fits a segment of its own under capacity."""
-        return SEGMENT_HEADER_BYTES + FRAME_HEAD_BYTES + spec.nbytes <= self.capacity_bytes
+        budget = budget if budget is not None else self.capacity_bytes * 3 // 4
+        limit = self.index.seg_limit
+        fits = (self.capacity_bytes - SEGMENT_HEADER_BYTES) * (limit - SEGMENT_HEADER_BYTES) \
+            // (limit + SEGMENT_HEADER_BYTES)
+        return min(budget, fits)
 
     def footprint(self, nbytes: int) -> int | None:
         """A frame (seal, header, payload); None if it cannot fit a segment."""

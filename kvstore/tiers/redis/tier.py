@@ -140,9 +140,6 @@ class RedisTier(TierOps):
         self._ledger.purge()
         return self._ledger.used
 
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        return self.used_bytes + count * (HEADER_BYTES + spec.nbytes) <= self.capacity_bytes
-
     def iter_keys(self) -> Iterator[BlockKey]:
         self._ledger.purge()
         return iter(list(self._ledger.sizes))
