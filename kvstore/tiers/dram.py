@@ -56,13 +56,6 @@ class DramTier(TierOps):
     def used_bytes(self) -> int:
         return self._alloc.used_bytes
 
-    def fits(self, spec: BlockSpec, count: int = 1) -> bool:
-        """Whether the slab has ``count`` free slots of ``spec``'s size class now.
-        Not part of the tier contract (the store budgets with ``footprint``);
-        kept for tests/store/test_store.py, which shows a slab full by pages
-        while bytes say it has room."""
-        return self._alloc.admits(spec.nbytes) and self._alloc.can_alloc(spec.nbytes, count)
-
     def footprint(self, nbytes: int) -> int | None:
         """A slot's share of its page: with one block size, ``capacity_bytes``
         over this is the slots the arena holds (rounded up, so the planner
