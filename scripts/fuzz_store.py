@@ -112,7 +112,7 @@ class Run:
         if s.planner.pending():
             self.problems.append(f"{s.planner.pending()} keys with moves never reported back")
         for t, plan in enumerate(s.planner.tiers):
-            want = sum(plan.footprint(s.planner.nbytes_of(k)) or 0 for k in s.planner.keys_in(t))
+            want = sum(plan.footprint(s.planner.beliefs.keys[k].nbytes) or 0 for k in s.planner.keys_in(t))
             if want != plan.used:
                 self.problems.append(f"{plan.name}: used {plan.used}, its blocks' footprints {want}")
             if plan.capacity is not None and plan.used > plan.capacity:

@@ -11,14 +11,11 @@ nothing at all, completing each plan at once (:meth:`Planner.complete`). So
 the figures a replay publishes are the product's decisions, not a model of
 them. See docs/architecture.md, "The planner's two-phase moves".
 
-What it knows. Per tier: a budget (``capacity`` in the caller's units: bytes
-in the store, blocks in the replay) and ``footprint(nbytes)``, the units a
-block takes there (None: the tier never admits it); an eviction order; which
-keys it holds. Every tier is budgeted, NVMe too (NVMe's own FIFO eviction is
-a fallback for when compaction falls behind; what it drops comes back
-through :meth:`Planner.lost`). ``capacity=None``: never evicted from. Per
-owner (a record's owner tag: the daemon's tenant) the bytes its blocks hold
-and its quota (:mod:`kvstore.store.accounts`).
+What it knows. Per tier (:class:`TierPlan`): a budget in the caller's units
+(bytes in the store, blocks in the replay; None: never evicted from),
+``footprint(nbytes)``, an eviction order, which keys it holds. Per owner (a
+record's owner tag) the bytes its blocks hold and its quota
+(:mod:`kvstore.store.accounts`).
 
 Two-phase moves. Per key and tier the planner holds one of four states::
 
@@ -47,12 +44,10 @@ Two-phase moves. Per key and tier the planner holds one of four states::
   the planner does not know is adopted only if it did not leave meanwhile
   (:meth:`adopt` with ``since``).
 
-Feedback. Execution can differ from the plan: a tier refuses a put it had no
-room for after all (a slab page of another size class, a full disk, Redis
-down), a read finds a corrupt record, Redis expired a key. The caller
-reports it (:meth:`refused`, :meth:`cancel`, :meth:`lost`) and gets the
-moves that follow (a refused put falls through to the next tier, as a put
-that found no victim to evict does).
+Feedback. A tier refuses a write after all (a slab page of another size
+class, a full disk, Redis down), a read finds a corrupt record, Redis expired
+a key, NVMe evicted by itself: :meth:`refused` (whose answer is more
+evictions or the next tier), :meth:`cancel`, :meth:`lost`.
 
 Protection. ``protected`` (the store's pins and reads in progress) is never
 chosen as a victim; neither are the blocks of the hit batch being planned.
@@ -77,135 +72,19 @@ Threading: single-threaded; the store calls it from its event loop only.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, cast
+from collections.abc import Container, Hashable, Iterable, Sequence
+from typing import Generic, cast
 
 from kvstore.errors import KVStoreError
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy, PrefetchesOnLookup, TakesSessionHints
+from kvstore.policies.base import PlacementPolicy, PrefetchesOnLookup, TakesSessionHints
 from kvstore.store.accounts import Accounts
+from kvstore.store.beliefs import Beliefs
+
+# the vocabulary, re-exported: callers import it from here
+from kvstore.store.plan import NO_SESSIONS, Cause, K, Kind, Move, PutPlan, SessionHints, TierPlan, _Either
+from kvstore.store.plan import extra_copies as extra_copies
 
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
-_LEFT_MEMORY = 1 << 16   # keys that left, remembered with the version they left at (adoption)
-
-
-K = TypeVar("K", bound=Hashable)   # a block key (BlockKey in the store; a trace's hash id in a replay)
-
-
-class Kind(enum.Enum):
-    STORE = "store"      # a block this call computed (its bytes are the caller's) into ``tier``
-    COPY = "copy"        # the bytes ``src`` holds into ``tier``
-    DROP = "drop"        # delete from ``tier``
-
-
-class Cause(enum.Enum):
-    PUT = "put"
-    DEMOTE = "demote"
-    PROMOTE = "promote"
-    PREFETCH = "prefetch"
-    FLUSH = "flush"
-    EVICT = "evict"          # a DROP that makes room
-    DISCARD = "discard"      # a DROP that takes back what a refused durable put left
-
-
-@dataclass(frozen=True, slots=True)
-class Move(Generic[K]):
-    kind: Kind
-    key: K
-    tier: int
-    src: int | None = None       # COPY only
-    cause: Cause = Cause.PUT
-    last: int | None = None      # STORE / COPY: the slowest tier a refusal may fall through to
-    attempt: int = 0             # how many times a full tier refused this write already
-
-
-@dataclass(slots=True)
-class TierPlan:
-    """The planner's view of one tier."""
-
-    name: str
-    capacity: int | None                     # units; None: never evicted from by the planner
-    order: EvictionPolicy
-    footprint: Callable[[int], int | None] = lambda nbytes: nbytes
-    persistent: bool = False
-    # A refusal for space can be answered with more evictions: true where a
-    # delete frees room at once (DRAM, HBM, Redis). Not for a tier that makes
-    # room by itself (NVMe: a delete is a tombstone, and a refusal there is a
-    # disk short of space or every segment pinned, which evicting cannot fix).
-    retry_when_full: bool = True
-    used: int = 0
-    writes: int = 0          # blocks written in (stores and copies)
-    reads: int = 0           # hits served from here (tier > 0: loads)
-    evictions: int = 0       # blocks the planner evicted from here
-    lost: int = 0            # blocks the tier dropped by itself (or corrupt, expired)
-
-
-@dataclass(slots=True)
-class PutPlan(Generic[K]):
-    """The moves of one put, and per key: ``"planned"`` (moves write it),
-    ``"exists"`` (every target holds it already), ``"declined"`` (the
-    placement stores it nowhere) or ``"no_room"`` (nothing could be evicted
-    for it anywhere, or not in the durable tier)."""
-
-    moves: list[Move[K]] = field(default_factory=list)
-    status: list[str] = field(default_factory=list)
-
-
-class SessionHints(Protocol):
-    """What the planner asks of agent task sessions (a
-    :class:`~kvstore.sessions.ledger.SessionLedger`): ``key in hints``: a
-    live task holds it; ``referenced``: a live task references it, held or
-    past its hold; ``returning``: the held blocks of paused tasks due back."""
-
-    def __contains__(self, key: object) -> bool: ...
-
-    def referenced(self, key: object) -> bool: ...
-
-    @property
-    def returning(self) -> Container: ...      # false when there is none
-
-
-class _NoSessions:
-    returning: Container = frozenset()
-
-    def __contains__(self, key: object) -> bool:
-        return False
-
-    def referenced(self, key: object) -> bool:
-        return False
-
-
-NO_SESSIONS = _NoSessions()
-
-
-class _Either(Generic[K]):
-    """``a or b`` as one Container (the protected set of a hit batch)."""
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: Container[K], b: Container[K]) -> None:
-        self.a, self.b = a, b
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.b or key in self.a
-
-
-class _State:
-    """One key: a tier bitmask per state (a tier's bit is in one of them at
-    most), its size, its owner, and the version it last landed at."""
-
-    __slots__ = ("resident", "writing", "dropping", "nbytes", "owner", "landed_at")
-
-    def __init__(self, nbytes: int, owner: int) -> None:
-        self.resident = self.writing = self.dropping = 0
-        self.nbytes, self.owner, self.landed_at = nbytes, owner, -1
-
-    @property
-    def counted(self) -> int:
-        """The tiers whose budget (and the owner's account) counts this key."""
-        return self.resident | self.writing
 
 
 class Planner(Generic[K]):
@@ -224,67 +103,54 @@ class Planner(Generic[K]):
         self.protected = protected
         self.sessions: SessionHints = sessions if sessions is not None else NO_SESSIONS
         self.durable = durable
-        self.accounts = Accounts()
-        self.version = 0                             # bumped at every landing and departure
-        self._keys: dict[K, _State] = {}
-        self._busy: dict[K, int] = {}                # key -> moves issued and not reported back
+        self.beliefs: Beliefs[K] = Beliefs(self.tiers)
         self._moves: list[Move[K] | None] = []       # the plan being made (None: cancelled within it)
         self._fresh: dict[tuple[K, int], int] = {}   # (key, tier) -> its write or drop in the plan being made
-        self._guard: Container[K] = _Either(protected, self._busy)   # never evicted while planning
-        self._left: OrderedDict[K, int] = OrderedDict()   # key -> version it left the store at
-        self._left_floor = 0                          # departures before this version are forgotten
+        self._guard: Container[K] = _Either(protected, self.beliefs.busy)   # never evicted while planning
 
-    # -- beliefs ---------------------------------------------------------------
+    # -- beliefs (kvstore.store.beliefs) ------------------------------------------------
+    @property
+    def accounts(self) -> Accounts:
+        return self.beliefs.accounts
+
+    @property
+    def version(self) -> int:
+        """Bumped at every landing and departure (what :meth:`absent` and :meth:`adopt` compare with)."""
+        return self.beliefs.version
+
     def locate(self, key: K) -> int | None:
-        """The fastest tier ``key`` has landed in."""
-        st = self._keys.get(key)
-        mask = st.resident if st is not None else 0
-        return (mask & -mask).bit_length() - 1 if mask else None
+        return self.beliefs.locate(key)
 
     def holds(self, key: K, tier: int) -> bool:
-        """Whether ``key`` has landed in ``tier`` (and is not being dropped there)."""
-        st = self._keys.get(key)
-        return st is not None and bool(st.resident >> tier & 1)
+        return self.beliefs.holds(key, tier)
 
     def planned(self, key: K, tier: int) -> bool:
-        """Whether ``key`` is in ``tier`` or being written there."""
-        st = self._keys.get(key)
-        return st is not None and bool(st.counted >> tier & 1)
+        return self.beliefs.planned(key, tier)
 
     def known(self, key: K) -> bool:
         """Whether the planner tracks ``key`` anywhere, in any state."""
-        return key in self._keys
+        return key in self.beliefs.keys
 
     def held_anywhere(self, key: K) -> bool:
-        """Whether ``key`` is in some tier or being written to one."""
-        st = self._keys.get(key)
-        return st is not None and st.counted != 0
+        return self.beliefs.held_anywhere(key)
 
-    def busy(self, key: K) -> bool:
-        """Whether a move of ``key`` is with the executor."""
-        return key in self._busy
+    def keys_in(self, tier: int) -> list[K]:
+        return self.beliefs.keys_in(tier)
 
     def pending(self) -> int:
         """Keys with moves issued and not reported back (0 once every plan is done)."""
-        return len(self._busy)
-
-    def nbytes_of(self, key: K) -> int:
-        return self._keys[key].nbytes
-
-    def keys_in(self, tier: int) -> list[K]:
-        """Keys landed in ``tier``."""
-        return [k for k, st in self._keys.items() if st.resident >> tier & 1]
+        return len(self.beliefs.busy)
 
     def owner_bytes(self, owner: int) -> int:
         """Bytes of ``owner``'s blocks, each counted once however many tiers hold it."""
-        return self.accounts.bytes_of(owner)
+        return self.beliefs.accounts.bytes_of(owner)
 
     def set_quota(self, owner: int, quota_bytes: int | None) -> None:
         """The most bytes ``owner``'s blocks may hold (None or 0: no quota)."""
-        self.accounts.set_quota(owner, quota_bytes)
+        self.beliefs.accounts.set_quota(owner, quota_bytes)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.beliefs.keys)
 
     # -- requests --------------------------------------------------------------
     def request(self, keys: Sequence[K], now: float, followup: float | None = None) -> None:
@@ -302,11 +168,11 @@ class Planner(Generic[K]):
         self._begin(frozenset(keys))     # the store holds them in transfer too
         for key, t in zip(keys, tiers):
             if not self.holds(key, t):
-                if nbytes is None or since is None or not self.adopt(key, t, nbytes, owner, since=since):
+                if nbytes is None or since is None or not self.beliefs.adopt(key, t, nbytes, owner, since):
                     continue
             plan = self.tiers[t]
             plan.order.touch(key)
-            self.accounts.touch(key, self._keys[key].owner)
+            self.beliefs.touch(key)
             plan.reads += t > 0
             dest = self.placement.on_hit(key, t)
             if dest is not None and 0 <= dest < t and self.holds(key, t):
@@ -343,7 +209,7 @@ class Planner(Generic[K]):
     def _put_into(self, key: K, nbytes: int, owner: int, first: int, last: int) -> str:
         if self.planned(key, first):
             self.tiers[first].order.insert(key)     # a known key is touched
-            self.accounts.touch(key, self._keys[key].owner)
+            self.beliefs.touch(key)
             return "exists"
         return "planned" if self._place(key, first, last, nbytes=nbytes, owner=owner, cause=Cause.PUT) \
             is not None else "no_room"
@@ -384,13 +250,7 @@ class Planner(Generic[K]):
         if isinstance(self.placement, TakesSessionHints):
             self.placement.on_return(keys, now)
         for key in keys:
-            st = self._keys.get(key)
-            if st is None:
-                continue
-            self.accounts.touch(key, st.owner)
-            for t, plan in enumerate(self.tiers):
-                if st.counted >> t & 1:
-                    plan.order.touch(key)
+            self.beliefs.touch(key, everywhere=True)
 
     def flush(self) -> list[Move[K]]:
         """Copy what only volatile tiers hold to the first persistent tier
@@ -417,21 +277,13 @@ class Planner(Generic[K]):
     # -- completion: what the executor did with an issued move -------------------
     def landed(self, move: Move[K]) -> None:
         """A STORE / COPY is in its tier: ``writing`` -> ``resident``."""
-        st, bit = self._keys.get(move.key), 1 << move.tier
-        if st is not None and st.writing & bit:
-            st.writing &= ~bit
-            st.resident |= bit
-            self.version += 1
-            st.landed_at = self.version
-        self._unbusy(move.key)
+        self.beliefs.land(move.key, move.tier)
+        self.beliefs.unbusy(move.key)
 
     def dropped(self, move: Move[K]) -> None:
         """A DROP is done: ``dropping`` -> ``absent``."""
-        st = self._keys.get(move.key)
-        if st is not None:
-            st.dropping &= ~(1 << move.tier)
-            self._settle(move.key, st)
-        self._unbusy(move.key)
+        self.beliefs.dropped(move.key, move.tier)
+        self.beliefs.unbusy(move.key)
 
     def complete(self, moves: Iterable[Move[K]]) -> None:
         """Every move of a plan done as planned (the replay, which moves no bytes)."""
@@ -444,10 +296,10 @@ class Planner(Generic[K]):
     def cancel(self, move: Move[K]) -> None:
         """An issued STORE / COPY that cannot be made (its source was
         unreadable, its namespace invalidated): forget it, no fall-through."""
-        if move.kind is not Kind.DROP and self._writing(move.key, move.tier):
-            self._unwrite(move.key, move.tier)
+        if move.kind is not Kind.DROP and self.beliefs.writing(move.key, move.tier):
+            self.beliefs.unwrite(move.key, move.tier)
             self.tiers[move.tier].writes -= 1
-        self._unbusy(move.key)
+        self.beliefs.unbusy(move.key)
 
     def abandon(self, moves: Iterable[Move[K]]) -> None:
         """Moves whose outcome will never be known (their executor was
@@ -468,18 +320,18 @@ class Planner(Generic[K]):
         ``move.last``. A durable put does not fall through."""
         if move.kind is Kind.DROP:
             raise KVStoreError("a drop cannot be refused")
-        self._unbusy(move.key)
-        if not self._writing(move.key, move.tier):
+        self.beliefs.unbusy(move.key)
+        if not self.beliefs.writing(move.key, move.tier):
             return []
-        st = self._keys[move.key]
+        st = self.beliefs.keys[move.key]
         nbytes, owner = st.nbytes, st.owner
-        self._unwrite(move.key, move.tier)
+        self.beliefs.unwrite(move.key, move.tier)
         plan = self.tiers[move.tier]
         plan.writes -= 1
         self._begin()
         if full and plan.retry_when_full and plan.capacity is not None and move.attempt < _RETRIES \
                 and self._evict_some(move.tier, 1 << move.attempt):
-            self._write(move.key, move.tier, nbytes, owner)
+            self.beliefs.write(move.key, move.tier, nbytes, owner)
             plan.writes += 1
             self._moves.append(dataclasses.replace(move, attempt=move.attempt + 1))
         elif move.last is not None and move.tier < move.last:
@@ -494,66 +346,35 @@ class Planner(Generic[K]):
         began) only a key the planner does not know and that did not leave
         the store meanwhile is taken: another's plan may have moved it.
         Whether it was taken."""
-        st = self._keys.get(key)
-        if since is not None and (st is not None or not self._stayed_away(key, since)):
-            return False
-        if st is not None and (st.counted | st.dropping) >> tier & 1:
-            if st.resident >> tier & 1:
-                self.tiers[tier].order.insert(key)
-            return False
-        if st is None:
-            st = self._keys[key] = _State(nbytes, owner)
-        st.resident |= 1 << tier
-        self._count(key, st, tier)
-        self.version += 1
-        st.landed_at = self.version
-        return True
+        return self.beliefs.adopt(key, tier, nbytes, owner, since)
 
     def lost(self, key: K, tier: int) -> None:
         """``tier`` no longer holds ``key`` (evicted by itself, corrupt,
         expired, invalidated). A write or drop in flight there is left to
         report its own outcome."""
-        st = self._keys.get(key)
-        if st is None or not st.resident >> tier & 1:
-            return
-        self.tiers[tier].lost += 1
-        st.resident &= ~(1 << tier)
-        self._uncount(key, st, tier)
-        self.version += 1
-        self._settle(key, st)
+        self.beliefs.lose(key, tier)
 
     def absent(self, key: K, tier: int, since: int) -> None:
         """``tier`` said ``key`` is missing, asked at version ``since``: lost,
         unless it landed after the question (the answer predates it)."""
-        st = self._keys.get(key)
+        st = self.beliefs.keys.get(key)
         if st is not None and st.landed_at <= since:
-            self.lost(key, tier)
+            self.beliefs.lose(key, tier)
 
     # -- internals -------------------------------------------------------------
     def _begin(self, guard: Container[K] = frozenset()) -> None:
         self._moves, self._fresh = [], {}
-        self._guard = _Either(_Either(self.protected, self._busy), guard) if guard else \
-            _Either(self.protected, self._busy)
+        self._guard = _Either(self.protected, self.beliefs.busy)
+        if guard:
+            self._guard = _Either(self._guard, guard)
 
     def _issue(self) -> list[Move[K]]:
         """The plan made: every move is now with the caller (busy until reported)."""
         moves = [m for m in self._moves if m is not None]
         for m in moves:
-            self._busy[m.key] = self._busy.get(m.key, 0) + 1
-        self._moves, self._fresh = [], {}
-        self._guard = _Either(self.protected, self._busy)
+            self.beliefs.mark_busy(m.key)
+        self._begin()
         return moves
-
-    def _unbusy(self, key: K) -> None:
-        n = self._busy.get(key, 0)
-        if n > 1:
-            self._busy[key] = n - 1
-        elif n:
-            del self._busy[key]
-
-    def _writing(self, key: K, tier: int) -> bool:
-        st = self._keys.get(key)
-        return st is not None and bool(st.writing >> tier & 1)
 
     def _emit(self, move: Move[K]) -> None:
         self._fresh[(move.key, move.tier)] = len(self._moves)
@@ -564,31 +385,28 @@ class Planner(Generic[K]):
         """Write ``key`` into the first tier in ``first..last`` that has (or
         can make) room; the tier it is (or will be) in, or None."""
         if nbytes is None:
-            nbytes = self._keys[key].nbytes
+            nbytes = self.beliefs.keys[key].nbytes
         for t in range(first, last + 1):
             if t == src:
                 return None             # a copy never lands where it comes from
-            st = self._keys.get(key)
+            st = self.beliefs.keys.get(key)
             if st is not None and st.counted >> t & 1:
                 self.tiers[t].order.touch(key)
                 return t
+            need = self.tiers[t].footprint(nbytes)
             if st is not None and st.dropping >> t & 1:
                 i = self._fresh.get((key, t))
-                need = self.tiers[t].footprint(nbytes)
                 if i is None or need is None or not self._make_room(t, need):
                     continue            # an issued drop: this tier takes no second move of it
                 del self._fresh[(key, t)]
                 self._moves[i] = None   # evicted by this very plan and written back: neither happens
-                st.dropping &= ~(1 << t)
-                st.resident |= 1 << t
-                self._count(key, st, t)
+                self.beliefs.undrop(key, t)
                 self.tiers[t].writes += 1
                 return t
-            need = self.tiers[t].footprint(nbytes)
             if need is None or not self._make_room(t, need):
                 continue
-            st = self._keys.get(key)
-            self._write(key, t, nbytes, st.owner if st is not None else owner)
+            st = self.beliefs.keys.get(key)
+            self.beliefs.write(key, t, nbytes, st.owner if st is not None else owner)
             self.tiers[t].writes += 1
             self._emit(Move(Kind.STORE if src is None else Kind.COPY, key, t, src, cause, last))
             return t
@@ -642,23 +460,22 @@ class Planner(Generic[K]):
         dest = self.placement.on_evict(key, t)
         if (dest is None or dest <= t) and self.sessions.referenced(key):
             dest = t + 1
-        fresh = self._fresh.get((key, t)) if self._writing(key, t) else None
+        fresh = self._fresh.get((key, t)) if self.beliefs.writing(key, t) else None
         write = self._moves[fresh] if fresh is not None else None
         src = write.src if write is not None else t
         if dest is not None and t < dest < len(self.tiers):
             self._place(key, dest, len(self.tiers) - 1, src=src, cause=Cause.DEMOTE)
         if fresh is not None:
-            self._moves[fresh] = None
-            del self._fresh[(key, t)]
-            self._unwrite(key, t)
+            self._undo_write(key, t)
         else:
             self._drop(key, t, Cause.EVICT)
 
     def _owner_room(self, owner: int, nbytes: int, batch: Container[K]) -> bool:
         """Make room in ``owner``'s quota for ``nbytes`` more by evicting its
         own coldest blocks from every tier; whether there is room now."""
-        quota = self.accounts.quota(owner)
-        if quota is None or self.accounts.over_by(owner, nbytes) <= 0:
+        accounts = self.beliefs.accounts
+        quota = accounts.quota(owner)
+        if quota is None or accounts.over_by(owner, nbytes) <= 0:
             return True
         if nbytes > quota:
             return False
@@ -666,81 +483,24 @@ class Planner(Generic[K]):
         def kept(key: Hashable) -> bool:
             return key in batch or key in self._guard or key in self.sessions
 
-        for victim in self.accounts.coldest(owner, kept):
-            self._evict_everywhere(cast(K, victim))
-            if self.accounts.over_by(owner, nbytes) <= 0:
+        for victim in accounts.coldest(owner, kept):
+            st = self.beliefs.keys[cast(K, victim)]
+            for t, plan in enumerate(self.tiers):    # the block leaves the store
+                if st.counted >> t & 1:
+                    plan.evictions += 1
+                    if st.writing >> t & 1:          # a write of this plan (an issued one is busy, never here)
+                        self._undo_write(cast(K, victim), t)
+                    else:
+                        self._drop(cast(K, victim), t, Cause.EVICT)
+            if accounts.over_by(owner, nbytes) <= 0:
                 return True
         return False
 
-    def _evict_everywhere(self, key: K) -> None:
-        """``key`` leaves the store (an owner over its quota): dropped from
-        every tier, its writes in this plan undone."""
-        st = self._keys[key]
-        for t, plan in enumerate(self.tiers):
-            if not st.counted >> t & 1:
-                continue
-            plan.evictions += 1
-            plan.order.remove(key)
-            if st.writing >> t & 1:      # a write of this plan (an issued one is busy, never here)
-                i = self._fresh.pop((key, t))
-                self._moves[i] = None
-                self._unwrite(key, t)
-            else:
-                self._drop(key, t, Cause.EVICT)
-
-    def _write(self, key: K, t: int, nbytes: int, owner: int) -> None:
-        st = self._keys.get(key)
-        if st is None:
-            st = self._keys[key] = _State(nbytes, owner)
-        st.writing |= 1 << t
-        self._count(key, st, t)
-
-    def _unwrite(self, key: K, t: int) -> None:
-        st = self._keys[key]
-        st.writing &= ~(1 << t)
-        self._uncount(key, st, t)
-        self._settle(key, st)
+    def _undo_write(self, key: K, t: int) -> None:
+        """A write of the plan being made never happens."""
+        self._moves[self._fresh.pop((key, t))] = None
+        self.beliefs.unwrite(key, t)
 
     def _drop(self, key: K, t: int, cause: Cause) -> None:
-        st = self._keys[key]
-        st.resident &= ~(1 << t)
-        st.dropping |= 1 << t
-        self._uncount(key, st, t)
+        self.beliefs.drop(key, t)
         self._emit(Move(Kind.DROP, key, t, cause=cause))
-
-    def _count(self, key: K, st: _State, t: int) -> None:
-        """(key, t) joined the budget: its footprint, its order, and its owner's account on its first tier."""
-        plan = self.tiers[t]
-        plan.used += plan.footprint(st.nbytes) or 0
-        plan.order.insert(key)
-        if st.counted == 1 << t:
-            self.accounts.add(key, st.owner, st.nbytes)
-
-    def _uncount(self, key: K, st: _State, t: int) -> None:
-        plan = self.tiers[t]
-        plan.used -= plan.footprint(st.nbytes) or 0
-        plan.order.remove(key)
-        if not st.counted:
-            self.accounts.remove(key, st.owner)
-
-    def _settle(self, key: K, st: _State) -> None:
-        """Forget a key in no state anywhere, remembering when it left."""
-        if st.counted or st.dropping:
-            return
-        del self._keys[key]
-        self.version += 1
-        self._left[key] = self.version
-        self._left.move_to_end(key)
-        if len(self._left) > _LEFT_MEMORY:
-            _, self._left_floor = self._left.popitem(last=False)
-
-    def _stayed_away(self, key: K, since: int) -> bool:
-        """Whether ``key`` did not leave the store after version ``since``."""
-        return since >= self._left_floor and self._left.get(key, -1) <= since
-
-
-def extra_copies(writes: Iterable[Move[K]]) -> int:
-    """Copies of computed blocks beyond each block's first, among ``writes``
-    (the writes that landed): what a write-through placement costs at put time."""
-    stored = Counter(m.key for m in writes if m.kind is Kind.STORE and m.cause is Cause.PUT)
-    return sum(c - 1 for c in stored.values())

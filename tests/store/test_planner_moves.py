@@ -29,7 +29,7 @@ def test_a_write_counts_from_its_plan_and_is_there_only_once_it_lands():
     (store,) = p.put(["a"], 1).moves
     assert p.tiers[0].used == 1 and p.planned("a", 0) and p.held_anywhere("a")
     assert p.locate("a") is None and not p.holds("a", 0) and p.keys_in(0) == []
-    assert p.busy("a") and p.pending() == 1
+    assert "a" in p.beliefs.busy and p.pending() == 1
     p.landed(store)
     assert p.locate("a") == 0 and p.keys_in(0) == ["a"] and p.pending() == 0
 
@@ -160,8 +160,8 @@ def test_a_block_another_process_wrote_is_adopted_by_a_read():
 
 
 def test_adoption_after_the_departure_memory_overflowed_is_refused(monkeypatch):
-    import kvstore.store.planner as planner_module
-    monkeypatch.setattr(planner_module, "_LEFT_MEMORY", 2)
+    import kvstore.store.beliefs as beliefs_module
+    monkeypatch.setattr(beliefs_module, "_LEFT_MEMORY", 2)
     p = raw(8)
     since = p.version
     for k in "abc":
