@@ -7,16 +7,25 @@ variables (:mod:`kvstore.config_load`). Each section is a typed, frozen
 model (:mod:`kvstore.schema` says why pydantic); a tier's section is the
 tier's own configuration class, so there is one list of each tier's
 settings, not a copy here.
+
+The daemon's sections (``daemon``, its tenants, listeners and metrics, and
+``store.remote``, a client's way to a daemon) are declared here, not in
+:mod:`kvstore.daemon`: the tree is read below the daemon (the store's
+builder, the connectors), and nothing below a layer imports from it
+(docs/architecture.md, "Layers"). :mod:`kvstore.daemon.config` re-exports
+them. ``daemon.limits`` is still the daemon's own module
+(:mod:`kvstore.daemon.limits`, a section over :mod:`kvstore.schema` alone);
+it belongs here beside them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from kvstore.daemon.config import DaemonConfig, RemoteConfig
+from kvstore.daemon.limits import DaemonLimits
 from kvstore.errors import ConfigError
-from kvstore.schema import Count, Fraction, Seconds, Section
+from kvstore.schema import FINITE, Count, Flag, Fraction, Int, Port, Seconds, Section, Size
 from kvstore.tiers.dram import DramConfig
 from kvstore.tiers.hbm import HbmConfig
 from kvstore.tiers.nvme.config import NvmeConfig
@@ -24,6 +33,145 @@ from kvstore.tiers.redis.config import RedisConfig
 
 TIERS = ("hbm", "dram", "nvme", "redis")    # fastest first: the store's tier order
 DEFAULT_DRAM_BYTES = 1 << 30                # the store when no tier is configured at all
+ANONYMOUS = "default"   # the tenant of every client when no tenants are configured
+
+
+# -- the daemon's sections ---------------------------------------------------------------------
+def parse_url(url: str) -> tuple[str, str | tuple[str, int]]:
+    """A daemon's address: ``unix:///path`` -> ("unix", path);
+    ``tcp://host:port`` -> ("tcp", (host, port)). A ConfigError says what is wrong."""
+    if not isinstance(url, str):
+        raise ConfigError(f"daemon url must be a string, got {url!r}")
+    if url.startswith("unix://"):
+        path = url[len("unix://"):]
+        if not path:
+            raise ConfigError(f"daemon url {url!r} names no socket path")
+        return "unix", path
+    if url.startswith("tcp://"):
+        host, sep, port = url[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"daemon url {url!r} must be tcp://host:port")
+        return "tcp", (host.strip("[]"), int(port))
+    raise ConfigError(f"daemon url must start with unix:// or tcp://, got {url!r}")
+
+
+def _octal(value: object) -> object:
+    """``"0660"`` (JSON has no octal ints; TOML's 0o660 arrives as an int) -> 0o660."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a file mode like \"0660\" (got {value!r})")
+    if isinstance(value, str):
+        try:
+            return int(value, 8)
+        except ValueError:
+            raise ValueError(f"must be an octal mode like \"0660\" (got {value!r})") from None
+    return value
+
+
+class TenantSpec(Section):
+    """One tenant (``[[daemon.tenants]]``). ``admin``: may read the whole
+    store's stats and metrics (other tenants appear as opaque labels); a plain
+    tenant sees only its own. ``uids``: if given, only Unix-socket peers
+    running as one of these uids (SO_PEERCRED) may authenticate as this
+    tenant, token or not."""
+
+    tree_path = "daemon.tenants"
+    # printable, no '/', and not the anonymous tenant's name (whose derived
+    # secret would give it the blocks stored while the daemon had no tenants)
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^/\x00-\x1f\x7f\s][^/\x00-\x1f\x7f]*$")]
+    token: Annotated[str, Field(min_length=8, repr=False)]
+    quota_bytes: Size = 0            # 0: no quota (the tiers' capacity bounds it)
+    admin: Flag = False
+    uids: tuple[Annotated[Int, Field(ge=0)], ...] = ()
+
+
+class ListenConfig(Section):
+    """``daemon.listen``: a Unix socket and/or a TCP port (at least one to serve)."""
+
+    tree_path = "daemon.listen"
+    unix_path: Annotated[str, Field(min_length=1)] | None = None
+    unix_mode: Annotated[int, BeforeValidator(_octal), Field(ge=0, le=0o777)] = 0o600   # the daemon's user only
+    tcp_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"    # never "": that binds every interface
+    tcp_port: Port | None = None         # 0 picks a free port (tests)
+
+
+class MetricsConfig(Section):
+    """``daemon.metrics``: HTTP /metrics (Prometheus) and /health."""
+
+    tree_path = "daemon.metrics"
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Port | None = None             # None: no metrics listener; 0 picks one
+    tenant_names: Flag = False           # False: tenants appear as opaque labels
+
+
+class DaemonConfig(Section):
+    """``kvstore serve``'s section. With no ``tenants`` every client is the
+    anonymous tenant ``default`` (a single-user host: it is an admin); with
+    tenants, a client must present one of their tokens.
+
+    ``key_secret``: the secret every tenant's re-keying derives from. Empty:
+    a random one is made at first start and kept in ``state_dir`` (mode
+    0600), which defaults to the NVMe directory; with no state directory at
+    all the secret lives only as long as the process (fine for DRAM alone;
+    set one when Redis outlives the daemon, and the same one on every host
+    that shares a Redis).
+    """
+
+    tree_path = "daemon"
+    listen: ListenConfig = ListenConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    tenants: tuple[TenantSpec, ...] = ()
+    key_secret: str = Field(default="", repr=False)   # see the class docstring
+    state_dir: Annotated[str, Field(min_length=1)] | None = None   # default: store.nvme.path
+    max_connections: Count | None = None    # all connections; None: what the descriptor limit allows
+    drain_timeout_s: Annotated[float, FINITE, Field(ge=0, le=1e9)] = 30.0
+    socket_buffer_bytes: Annotated[Size, Field(ge=4096, le=1 << 30)] = 4 << 20   # fewer wakeups per block
+    limits: DaemonLimits = DaemonLimits()
+
+    @field_validator("key_secret")
+    @classmethod
+    def _long_enough(cls, secret: str) -> str:
+        if secret and len(secret) < 16:
+            raise ValueError("must be at least 16 characters (or empty: a random one is made)")
+        return secret
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> DaemonConfig:
+        names = [t.name for t in self.tenants]
+        if ANONYMOUS in names:
+            raise ValueError(f"a tenant cannot be named {ANONYMOUS!r} (the anonymous tenant of a daemon "
+                             "without tenants: it would read what was stored then)")
+        tokens = [t.token for t in self.tenants]
+        if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
+            raise ValueError("tenant names and tokens must be unique")
+        return self
+
+    def check_servable(self) -> None:
+        """What ``kvstore serve`` needs beyond a valid section: somewhere to listen."""
+        if not self.listen.unix_path and self.listen.tcp_port is None:
+            raise ConfigError("nowhere to listen: give --unix PATH or --tcp-port PORT "
+                              "(daemon.listen.unix_path / tcp_port in a config file)")
+
+
+class RemoteConfig(Section):
+    """``store.remote``: the store is a ``kvstore serve`` daemon's, reached at
+    ``url`` (``unix:///run/kvstore.sock`` or ``tcp://127.0.0.1:7070``); the
+    tiers are then the daemon's business, not this process's."""
+
+    tree_path = "store.remote"
+    url: str
+    token: str | None = Field(default=None, repr=False)
+    timeout_s: Seconds = 30.0
+    shm: Flag = True                     # shared memory for bulk bytes over a Unix socket
+    max_batch_bytes: Annotated[Size, Field(ge=1)] = 64 << 20   # larger batches go as several requests
+    max_idle: Count = 8                  # pooled idle connections
+    workers: Count = 4                   # threads for put_async / prefetch
+    socket_buffer_bytes: Annotated[Size, Field(ge=1)] = 4 << 20
+
+    @field_validator("url")
+    @classmethod
+    def _daemon_url(cls, url: Any) -> Any:
+        parse_url(url)      # a ConfigError (a ValueError) saying what is wrong
+        return url
 
 
 class StoreConfig(Section):
@@ -120,4 +268,5 @@ class Config(Section):
         return self.store.nvme.path if self.store.nvme is not None else None
 
 
-__all__ = ["TIERS", "Config", "DaemonConfig", "PolicyConfig", "RemoteConfig", "StoreConfig"]
+__all__ = ["ANONYMOUS", "TIERS", "Config", "DaemonConfig", "DaemonLimits", "ListenConfig", "MetricsConfig",
+           "PolicyConfig", "RemoteConfig", "StoreConfig", "TenantSpec", "parse_url"]

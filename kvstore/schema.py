@@ -1,7 +1,7 @@
 """Typed configuration sections: the base every section of the config tree
 derives from, the value types they share, and errors that name the path.
 
-DESIGN: the tree is validated by pydantic 2 rather than by hand-written
+Why pydantic: the tree is validated by pydantic 2 rather than by hand-written
 guards or msgspec. msgspec validates only while decoding, so a section a
 Python user builds directly (``NvmeConfig(path=..., capacity_bytes=-1)``)
 would pass unchecked unless every section kept its own ``__post_init__``

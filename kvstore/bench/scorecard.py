@@ -15,7 +15,7 @@ Cases: the Mooncake conversation trace at four capacity points (NVMe, then
 Redis, join at the larger ones), the same trace 4x time-compressed (every
 timestamp / 4: four times the arrival rate, a larger working set) and
 sub-sampled to one conversation in four (a smaller one), and the agent
-generator in each band of the regime table (DESIGN.md §5).
+generator in each band of the regime table (docs/architecture.md, "The regime table").
 
 TTFT is the replay's cost model (:mod:`.costmodel`). For the agent
 generator, whose closed-loop tasks one GPU serves, it adds the sweep's FIFO

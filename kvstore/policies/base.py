@@ -1,21 +1,29 @@
 """Policy contracts: policies decide, they never move bytes.
 
-Two small Protocols the :class:`~kvstore.store.TieredStore` (and the replay
-simulator in :mod:`kvstore.bench.replay`) drive:
+Two small Protocols that the :class:`~kvstore.store.planner.Planner` asks
+(the one object that decides, for the :class:`~kvstore.store.TieredStore`
+and the trace replay alike; see docs/architecture.md, "Policies"):
 
 * :class:`EvictionPolicy` orders the blocks of *one* tier. It does no capacity
-  accounting (the tier owns bytes; the store asks for ``n`` victims when a put
-  does not fit) and never picks a key in ``protected`` (pinned blocks, blocks
-  in flight). ``evict`` is atomic: ``None`` means it could not find ``n``
-  victims and nothing changed.
-* :class:`PlacementPolicy` decides which tier a block goes to: where a newly
+  accounting (the planner counts each tier's budget and each owner's bytes,
+  and asks for victims when a write does not fit) and never picks a key in
+  ``protected`` (pinned blocks, blocks with a move in flight, the blocks of
+  the hit batch being planned). ``evict`` is atomic: ``None`` means it could
+  not find ``n`` victims and nothing changed.
+* :class:`PlacementPolicy` says which tier a block goes to: where a newly
   computed block is written, where an evicted block is demoted (or dropped),
-  whether a hit is promoted, what to prefetch. Tiers are named by their index
-  in the store's ordered tier list (0 = fastest).
+  whether a hit is promoted. Tiers are named by their index in the store's
+  ordered tier list (0 = fastest). The planner turns these answers into
+  moves; the executor (:mod:`kvstore.store.moves`) moves the bytes.
 
-Threading: policies are plain single-threaded objects; the store calls them
-from its event loop only. Time is injected (``now`` arguments or a ``clock``),
-so every decision is reproducible in tests and in trace replay.
+Optional behaviour is declared by the small runtime-checkable Protocols
+below (:class:`PrefetchesOnLookup`, :class:`TakesSessionHints`,
+:class:`KnowsCapacity`, :class:`ModelsReuse`), never discovered by
+``getattr``.
+
+Threading: policies are plain single-threaded objects; the planner calls
+them from the store's event loop only. Time is injected (``now`` arguments
+or a ``clock``), so every decision is reproducible in tests and in trace replay.
 """
 from __future__ import annotations
 

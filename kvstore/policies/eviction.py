@@ -4,8 +4,8 @@ The base owns the two things every policy must get right the same way: the
 atomic ``evict`` contract (find all ``n`` victims first, then commit; ``None``
 changes nothing) and skipping ``protected`` keys (pinned or in flight). A
 policy only says how to walk its candidates (``_candidates``) and what to do
-with a committed victim (``_drop``). Capacity is not here: the tier counts
-bytes and asks for victims (cachetools' split, see DESIGN.md §9).
+with a committed victim (``_drop``). Capacity is not here: the planner counts
+each tier's bytes and asks for victims (cachetools' split, see docs/architecture.md, "Policies").
 
 Rejected: a policy that tracks sizes itself (two places disagree about "full"
 the first time a put fails half-way) and a heap keyed by timestamp (O(log n)

@@ -1,4 +1,4 @@
-"""The regime placement policy of DESIGN.md §5.
+"""The regime placement policy (docs/architecture.md, "The regime table").
 
 It measures the sustained working set (distinct tokens touched in a sliding
 window, :mod:`.working_set`) and moves between four regimes with hysteresis:

@@ -1,4 +1,4 @@
-"""Agent task sessions (DESIGN.md section 6): the ledger of which live task
+"""Agent task sessions (docs/architecture.md, "Sessions"): the ledger of which live task
 holds which block (:mod:`.ledger`), made durable by a journal (:mod:`.journal`)."""
 from kvstore.sessions.journal import SessionJournal
 from kvstore.sessions.ledger import SessionError, SessionLedger, TaskNotFound
