@@ -1,8 +1,9 @@
 """The daemon's ``/metrics`` (Prometheus text format, through prometheus-client) and ``/health``.
 
 The series are the counters the store, its tiers and the tenants already
-keep: a custom collector (:class:`DaemonCollector`) reads them at scrape
-time into metric families, so nothing is counted twice. Beside it in the
+keep (a tenant's bytes are its account in the store's planner,
+``store.owner_bytes``): a custom collector (:class:`DaemonCollector`) reads
+them at scrape time into metric families, so nothing is counted twice. Beside it in the
 daemon's registry: the store's latency histograms (per tier and operation,
 :mod:`kvstore.store.tiered`) and the daemon's own request latency by opcode.
 Rejected: mirroring every counter into prometheus-client Counter objects
@@ -13,25 +14,27 @@ a few KB every few seconds, so stream copies do not matter here (they do
 on the data path). Its connections come from the daemon's own accept loop,
 not asyncio's server (which, out of descriptors, logs a traceback per
 attempt and leaves /health unanswered).
+
+This module does not import the server: what it reads of it comes as
+parameters (the store, the tenants, a :class:`ServerStatus` callable, the
+render and health callables of the HTTP side; see :mod:`kvstore.daemon.host`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvstore.daemon.host import ServerStatus
+from kvstore.daemon.tenants import Tenant
 from kvstore.outcomes import MissReason
 from kvstore.policies.regime import REGIMES
 from kvstore.stats import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from kvstore.daemon.server import Daemon
-    from kvstore.daemon.tenants import Tenant
+from kvstore.store.tiered import TieredStore
 
 Rows = list[tuple[dict[str, str], float]]
 
@@ -47,48 +50,52 @@ def _family(name: str, kind: str, help_: str, rows: Rows) -> Metric:
 
 
 class DaemonCollector:
-    """The daemon's counters as metric families, read at each scrape.
-    ``tenant`` None: the whole store's and every tenant's rows (an admin, and
-    the HTTP endpoint), tenants labelled opaquely unless the config says
-    ``metrics_tenant_names``; a tenant: its own rows only, under its name."""
+    """The daemon's counters as metric families, read at each scrape: the
+    rows of ``tenants`` (each labelled ``label(tenant)``), and with
+    ``status`` (the server's own figures) the whole store's too. The daemon
+    registers one over every tenant, labelled opaquely unless the config
+    says ``metrics.tenant_names`` (an admin's METRICS, the HTTP endpoint); a
+    tenant's METRICS makes one over itself alone, under its name."""
 
-    def __init__(self, daemon: Daemon, tenant: Tenant | None = None) -> None:
-        self.daemon = daemon
-        self.tenant = tenant
+    def __init__(self, store: TieredStore, tenants: Sequence[Tenant], label: Callable[[Tenant], str],
+                 status: Callable[[], ServerStatus] | None = None) -> None:
+        self.store = store
+        self.tenants = tenants
+        self.label = label
+        self.status = status
 
     def collect(self) -> Iterator[Metric]:
-        daemon, tenant = self.daemon, self.tenant
-        if tenant is None:
-            yield from _store_families(daemon)
-            tenants = list(daemon.tenants.by_name.values())
-        else:
-            tenants = [tenant]
+        store, tenants = self.store, self.tenants
+        if self.status is not None:
+            yield from _store_families(store, self.status())
 
         def label(t: Tenant) -> dict[str, str]:
-            return {"tenant": t.name if tenant is not None else daemon.tenant_label(t)}
+            return {"tenant": self.label(t)}
         yield _family("tenant_hits_total", "counter", "Blocks served per tenant.",
                       [(label(t), t.hits) for t in tenants])
         yield _family("tenant_misses_total", "counter", "Blocks missed per tenant and reason.",
                       [({**label(t), "reason": r}, n) for t in tenants for r, n in sorted(t.misses.items())])
+        yield _family("tenant_used_bytes", "gauge", "Bytes of a tenant's blocks in the store, each block "
+                      "once (the quota's measure).", [(label(t), store.owner_bytes(t.owner)) for t in tenants])
         for name, kind, help_, value in (
-                ("tenant_used_bytes", "gauge", "Bytes held per tenant (the quota's measure).", "used_bytes"),
                 ("tenant_quota_bytes", "gauge", "Per-tenant quota (0: none).", "quota_bytes"),
-                ("tenant_no_space_total", "counter", "Puts refused for quota or space, per tenant.", "no_space"),
+                ("tenant_no_space_total", "counter", "Blocks a put found no room for (in its quota, "
+                 "or in the store), per tenant.", "no_space"),
                 ("tenant_connections", "gauge", "Open connections per tenant.", "connections"),
                 ("tenant_buffer_bytes", "gauge", "Request buffers held per tenant.", "buffer_bytes"),
                 ("tenant_shm_bytes", "gauge", "Shared-memory segments held per tenant.", "shm_bytes")):
             yield _family(name, kind, help_, [(label(t), getattr(t, value)) for t in tenants])
         yield _family("tenant_pins", "gauge", "Pinned blocks per tenant (expired ones until swept).",
                       [(label(t), len(t.pins)) for t in tenants])
-        sessions = [(t, daemon.store.sessions.tenant_stats(t.name)) for t in tenants]
+        sessions = [(t, store.sessions.tenant_stats(t.name)) for t in tenants]
         yield _family("tenant_session_tasks", "gauge", "Live agent tasks per tenant.",
                       [(label(t), s["tasks"]) for t, s in sessions])
         yield _family("tenant_session_references", "gauge", "Block references a tenant's live tasks hold.",
                       [(label(t), s["references"]) for t, s in sessions])
 
 
-def _store_families(daemon: Daemon) -> Iterator[Metric]:
-    snap = daemon.store.snapshot()
+def _store_families(store: TieredStore, status: ServerStatus) -> Iterator[Metric]:
+    snap = store.snapshot()
     tiers = snap["tiers"]
     yield _family("hits_total", "counter", "Blocks served by get, all tiers.", [({}, snap["hits"])])
     yield _family("misses_total", "counter", "Blocks missed by get, by reason.",
@@ -117,14 +124,14 @@ def _store_families(daemon: Daemon) -> Iterator[Metric]:
                        ("held_blocks", "Blocks live tasks hold (never evicted while held).")):
         yield _family(f"session_{key}", "gauge", help_, [({}, sessions.get(key, 0))])
     yield _family("requests_total", "counter", "Requests served, by opcode.",
-                  [({"op": op}, n) for op, n in daemon.requests.items()])
+                  [({"op": op}, n) for op, n in status.requests.items()])
     yield _family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",
-                  [({}, daemon.errors)])
-    yield _family("connections", "gauge", "Open client connections.", [({}, len(daemon._conns))])
-    yield _family("preauth_connections", "gauge", "Connections not authenticated yet.", [({}, daemon.preauth)])
-    yield _family("draining", "gauge", "1 while the daemon drains.", [({}, int(daemon.draining))])
+                  [({}, status.protocol_errors)])
+    yield _family("connections", "gauge", "Open client connections.", [({}, status.connections)])
+    yield _family("preauth_connections", "gauge", "Connections not authenticated yet.", [({}, status.preauth)])
+    yield _family("draining", "gauge", "1 while the daemon drains.", [({}, int(status.draining))])
     yield _family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
-                  [({}, int(daemon.health()[0]))])
+                  [({}, int(status.healthy))])
 
 
 # what the regime placement counts (policies/regime.py), as counters
@@ -153,24 +160,28 @@ def _placement_families(snap: dict) -> Iterator[Metric]:
         yield _family(f"placement_{key}_total", "counter", help_, [({}, placement.get(key, 0))])
 
 
-def daemon_registry(daemon: Daemon) -> tuple[CollectorRegistry, Histogram]:
-    """The daemon's registry: its counters, the store's histograms, and the
-    request-latency histogram it returns (to observe)."""
+def daemon_registry(store: TieredStore, tenants: Sequence[Tenant], label: Callable[[Tenant], str],
+                    status: Callable[[], ServerStatus]) -> tuple[CollectorRegistry, Histogram]:
+    """The daemon's registry: the store's, the server's (``status``) and
+    every tenant's counters (``label``: how a tenant is named), the store's
+    histograms, and the request-latency histogram it returns (to observe)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
-    registry.register(daemon.store.metrics)
+    registry.register(DaemonCollector(store, tenants, label, status))
+    registry.register(store.metrics)
     requests = Histogram("kvstore_request_seconds", "Time the daemon took to serve a request, by opcode.",
                          ["op"], buckets=LATENCY_BUCKETS, registry=registry)
     return registry, requests
 
 
-def render_metrics(daemon: Daemon, tenant: Tenant | None = None) -> str:
-    """Prometheus exposition: everything (``tenant`` None: an admin, and the
-    HTTP endpoint), or a tenant's own rows only (what the METRICS op answers)."""
-    if tenant is None:
-        return generate_latest(daemon.registry).decode()
+def render_metrics(registry: CollectorRegistry) -> str:
+    """Prometheus exposition of a registry (the daemon's: an admin's METRICS, and the HTTP endpoint)."""
+    return generate_latest(registry).decode()
+
+
+def tenant_metrics(store: TieredStore, tenant: Tenant) -> str:
+    """A tenant's own rows only, under its name (what the METRICS op answers a tenant)."""
     own = CollectorRegistry(auto_describe=False)
-    own.register(DaemonCollector(daemon, tenant))
+    own.register(DaemonCollector(store, [tenant], lambda t: t.name))
     return generate_latest(own).decode()
 
 
@@ -183,9 +194,11 @@ class MetricsServer:
     while the daemon is out of descriptors (the loop serves it on its spare
     one). Loop-bound."""
 
-    def __init__(self, sock: socket.socket, daemon: Daemon) -> None:
+    def __init__(self, sock: socket.socket, render: Callable[[], str],
+                 health: Callable[[], tuple[bool, str]]) -> None:
         self.sock = sock
-        self.daemon = daemon
+        self.render = render        # the /metrics body
+        self.health = health        # (healthy, text) for /health
         self.port: int = sock.getsockname()[1]
         self._tasks: set[asyncio.Task] = set()
 
@@ -218,9 +231,9 @@ class MetricsServer:
             parts = head.split(b"\r\n", 1)[0].split()
             path = parts[1].decode("ascii", "replace") if len(parts) >= 2 else ""
             if path.split("?")[0] == "/metrics":
-                status, body = "200 OK", render_metrics(self.daemon)
+                status, body = "200 OK", self.render()
             elif path == "/health":
-                ok, text = self.daemon.health()
+                ok, text = self.health()
                 status, body = ("200 OK" if ok else "503 Service Unavailable"), text + "\n"
             else:
                 status, body = "404 Not Found", "not found\n"

@@ -7,6 +7,12 @@ re-keyed into the tenant's namespace (:mod:`kvstore.daemon.tenants`): a
 handler never acts on a raw client key. Bad input raises a typed
 :class:`~kvstore.errors.KVStoreError`, which the server answers on the same
 connection. Loop only.
+
+Quotas are not counted here: a put carries the tenant's owner tag to the
+store, whose planner holds each tenant's account (``set_quota`` at start)
+and, for a put past it, evicts that tenant's own coldest blocks first; a
+block it still finds no room for answers ``no_space``. The handlers see the
+server only as a :class:`~kvstore.daemon.host.Host`.
 """
 from __future__ import annotations
 
@@ -16,10 +22,11 @@ import math
 import os
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.daemon.conn import IDENTITY_CACHE, Conn
-from kvstore.daemon.metrics import render_metrics
+from kvstore.daemon.host import Host
+from kvstore.daemon.metrics import render_metrics, tenant_metrics
 from kvstore.daemon.protocol import (
     MAX_IDENTITY_BYTES,
     MAX_KEYS,
@@ -38,9 +45,6 @@ from kvstore.record import BlockSpec
 from kvstore.sessions.ledger import CALLS, SessionError
 from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.daemon.server import Daemon
-
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
 _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
 MAX_ENGINES_PER_TENANT = 16   # engines one tenant may report (see _engine)
@@ -48,14 +52,12 @@ MAX_TASKS_PER_TENANT = 4096   # live agent tasks (see _session)
 MAX_STEPS_PER_TENANT = 1 << 16   # steps of them: memory and journal are bounded too
 _SESSION_ARGS: dict[str, type | tuple[type, ...]] = {
     "step": str, "idem": str, "child": str, "name": str, "tool_s": (int, float)}
-_RECONCILE_SLICE = 4096
-_RECONCILE_EVERY_S = 10.0
 
 
 class Handlers:
     """Serves one request at a time for a connection (see ``Daemon._request``)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Host) -> None:
         self.daemon = daemon
         self.store = daemon.store
         self.tenants = daemon.tenants
@@ -165,52 +167,10 @@ class Handlers:
         keys = await self._keys(ten, meta)
         nbytes = BlockSpec.of(ident).nbytes
         views = self._views(conn, meta, len(keys), nbytes, payload)
-        out: list[PutOutcome] = [PutOutcome.NO_SPACE] * len(keys)
-        admit = await self._admit(ten, keys, nbytes)
-        reserved = len(admit) * nbytes
-        ten.pending_bytes += reserved
-        try:
-            res = await self.store.aput(ident, [keys[i] for i in admit], [views[i] for i in admit],
-                                        owner=ten.owner)
-        finally:
-            ten.pending_bytes -= reserved
-        for i, r in zip(admit, res):
-            out[i] = r
-            if r in (PutOutcome.STORED, PutOutcome.EXISTS):
-                ten.hold(keys[i], nbytes)
+        # the quota is the planner's: past it, the tenant's own coldest blocks make room
+        out = await self.store.aput(ident, keys, views, owner=ten.owner)
         ten.no_space += sum(o is PutOutcome.NO_SPACE for o in out)
         return {"outcomes": [o.value for o in out]}
-
-    async def _admit(self, ten: Tenant, keys: list[BlockKey], nbytes: int) -> list[int]:
-        """Indexes of the keys this put may store under the tenant's quota
-        (keys it already holds are free; the rest in order while they fit)."""
-        if not ten.quota_bytes:
-            return list(range(len(keys)))
-        new = [i for i, k in enumerate(keys) if k not in ten.held]
-        if ten.used_bytes + ten.pending_bytes + len(new) * nbytes > ten.quota_bytes:
-            await self.reconcile(ten)  # evictions may have freed some of its share
-        room = max(0, ten.quota_bytes - ten.used_bytes - ten.pending_bytes) // nbytes
-        refused = set(new[room:])
-        return [i for i in range(len(keys)) if i not in refused]
-
-    async def reconcile(self, ten: Tenant, *, force: bool = False) -> None:
-        """Forget held blocks no tier holds any more (evicted, invalidated).
-        O(blocks held), in slices that yield to the loop; run when a tenant
-        reaches its quota, and then only if the store saw blocks leave since
-        the last run (or ``_RECONCILE_EVERY_S`` passed: a TTL expiry in Redis
-        is not seen), so a tenant at its quota cannot make every put a scan."""
-        now, removals = self.clock(), self.store.removals
-        last_removals, last_time = ten.reconciled
-        if not force and removals == last_removals and now - last_time < _RECONCILE_EVERY_S:
-            return
-        ten.reconciled = (removals, now)
-        held = list(ten.held)
-        for start in range(0, len(held), _RECONCILE_SLICE):
-            part = held[start:start + _RECONCILE_SLICE]
-            for k, there in zip(part, await self.store.aheld(part)):
-                if not there:
-                    ten.release(k)
-            await asyncio.sleep(0)
 
     async def _get(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
         ident = self._identity(conn, ten, meta)
@@ -240,8 +200,10 @@ class Handlers:
             raise KVStoreError(f"pin needs a positive ttl_s, got {ttl!r}"[:200])
         ttl = min(float(ttl), self.limits.max_pin_ttl_s)   # an infinite pin is granted the cap
         # only blocks the tenant stored: a pin keeps space (on NVMe, the segment holding
-        # the block) from every tenant, so nobody pins what is not its own
-        keys = [k for k in await self._keys(ten, meta) if k in ten.held]
+        # the block) from every tenant, so nobody pins what is not its own. A key
+        # in the tenant's namespace that some tier holds is one it stored.
+        keys = await self._keys(ten, meta)
+        keys = [k for k, there in zip(keys, await self.store.aheld(keys)) if there]
         now = self.store.clock()
         ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
         self.store.pin(keys, ttl)
@@ -293,9 +255,7 @@ class Handlers:
         return {}
 
     async def _invalidate(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
-        dropped = await self.store.ainvalidate(self._identity(conn, ten, meta))
-        await self.reconcile(ten, force=True)
-        return {"dropped": dropped}
+        return {"dropped": await self.store.ainvalidate(self._identity(conn, ten, meta))}
 
     async def _stats(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         """The tenant's own row; an admin also gets the store's snapshot (whose
@@ -307,14 +267,15 @@ class Handlers:
             out.pop("tenants", None)
         out["tenant"] = {"name": ten.name, "hits": hits, "misses": dict(ten.misses),
                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                         "used_bytes": ten.used_bytes, "quota_bytes": ten.quota_bytes,
+                         "used_bytes": self.store.owner_bytes(ten.owner), "quota_bytes": ten.quota_bytes,
                          "no_space": ten.no_space, "pins": len(ten.pins),
                          "buffer_bytes": ten.buffer_bytes, "shm_bytes": ten.shm_bytes,
                          "connections": ten.connections}
         return json.loads(json.dumps(out, default=str))  # plain types for msgpack
 
     async def _metrics(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
-        return {"text": render_metrics(self.daemon, None if ten.admin else ten)}
+        text = render_metrics(self.daemon.registry) if ten.admin else tenant_metrics(self.store, ten)
+        return {"text": text}
 
     async def _attach(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
         """A shared segment for this connection: made here, sealed, mapped on a

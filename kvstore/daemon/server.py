@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from kvstore.config import Config
 from kvstore.daemon import claims
 from kvstore.daemon.conn import Conn
-from kvstore.daemon.metrics import MetricsServer, daemon_registry
+from kvstore.daemon.host import ServerStatus
+from kvstore.daemon.metrics import MetricsServer, daemon_registry, render_metrics
 from kvstore.daemon.ops import Handlers, Reply
 from kvstore.daemon.protocol import (
     HEADER_SIZE,
@@ -62,6 +63,7 @@ from kvstore.daemon.shm import peer_credentials, send_with_fds
 from kvstore.daemon.tenants import Tenant, TenantTable
 from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.store.tiered import TieredStore
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -106,6 +108,8 @@ class Daemon:
         self.config = config.daemon
         self.store = store
         self.tenants = TenantTable(config.daemon, key_secret)
+        for tenant in self.tenants:   # the planner keeps each tenant's account, and adopted its records at start
+            store.set_quota(tenant.owner, tenant.quota_bytes or None)
         self.clock = clock
         self.started = clock()
         self.draining = False
@@ -113,7 +117,8 @@ class Daemon:
         self.errors = 0
         self.max_connections = claims.connection_limit(config)
         self.handlers = Handlers(self)
-        self.registry, self._request_seconds = daemon_registry(self)
+        self.registry, self._request_seconds = daemon_registry(store, list(self.tenants), self.tenant_label,
+                                                               self.status)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
         self._conns: dict[asyncio.Task, Conn] = {}
@@ -128,7 +133,7 @@ class Daemon:
 
     @classmethod
     async def start(cls, config: Config, store: TieredStore | None = None) -> Daemon:
-        """Open the store (unless given), count what each tenant holds, listen."""
+        """Open the store (unless given), give the planner each tenant's quota, listen."""
         config.check_servable()
         if config.store.nvme is not None and store is None:
             claims.usable_dir(config.store.nvme.path, "store.nvme.path")
@@ -138,7 +143,6 @@ class Daemon:
         if store is None:
             store = await claims.open_store(config)
         self = cls(config, store, secret)
-        counted = self.tenants.rebuild(store.iter_owners())
         try:
             listen, metrics_at = config.daemon.listen, config.daemon.metrics
             if listen.unix_path:
@@ -151,16 +155,17 @@ class Daemon:
             if metrics_at.port is not None:
                 sock = claims.tcp_listener(metrics_at.host, metrics_at.port,
                                            ("daemon.metrics.host", "daemon.metrics.port"))
-                self.metrics = metrics = MetricsServer(sock, self)
+                self.metrics = metrics = MetricsServer(sock, lambda: render_metrics(self.registry), self.health)
                 # out of descriptors, a scrape is still served, on the spare one
                 self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
         except BaseException:
             await self._close_listeners()
             await store.aclose()
             raise
-        log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s); %d stored blocks counted "
-                 "against %d tenants", config.daemon.listen.unix_path, self.tcp_port,
-                 self.metrics.port if self.metrics else None, counted, len(self.tenants.by_name))
+        log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s); tenants %s",
+                 config.daemon.listen.unix_path, self.tcp_port, self.metrics.port if self.metrics else None,
+                 ", ".join(f"{t.name} as {t.label} ({format_size(store.owner_bytes(t.owner))} of "
+                           f"{format_size(t.quota_bytes) if t.quota_bytes else 'no quota'})" for t in self.tenants))
         return self
 
     def holdings(self) -> tuple[Holding, ...]:
@@ -176,6 +181,12 @@ class Daemon:
 
     def tenant_label(self, tenant: Tenant) -> str:
         return tenant.name if self.config.metrics.tenant_names else tenant.label
+
+    def status(self) -> ServerStatus:
+        """The server's own figures now (for /metrics)."""
+        return ServerStatus(requests=dict(self.requests), protocol_errors=self.errors,
+                            connections=len(self._conns), preauth=self.preauth, draining=self.draining,
+                            healthy=self.health()[0])
 
     # -- health ------------------------------------------------------------------
     def degrade(self, reason: str) -> None:

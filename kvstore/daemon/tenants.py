@@ -20,11 +20,17 @@ secret is random, made at first start and kept with the store's data
 compute every other tenant's keys.
 
 Every record a tenant stores carries the tenant's *owner tag* (32 bits,
-also derived from the key secret; :mod:`kvstore.record`), so on every start
-the daemon rebuilds each tenant's quota usage from what the tiers actually
-hold (:meth:`TenantTable.rebuild`): a crash cannot hand a tenant its quota
-again. Rejected: a ledger file written on a graceful stop (a SIGKILL skipped
-it, and three crashes let a tenant hold three times its quota).
+also derived from the key secret; :mod:`kvstore.record`), and the quota is
+an account of that owner in the store's planner
+(:meth:`~kvstore.store.tiered.TieredStore.set_quota`): the planner counts
+each block once against the owner it was put for, adopts every record with
+its owner at start (so a crash cannot hand a tenant its quota again), and
+makes room for a put past the quota by evicting that owner's own coldest
+blocks. The daemon keeps no count of its own. Rejected: a ledger of held
+keys per tenant on the daemon (a third copy of what the planner and the
+tiers know, reconciled by scanning; a quota that was a hard cap, since a
+tenant's old blocks were never evicted for its new ones), and a ledger file
+written on a graceful stop (a SIGKILL skipped it).
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.config import Config
@@ -50,8 +56,9 @@ SECRET_NAME = "daemon.secret"
 
 @dataclass(slots=True)
 class Tenant:
-    """A tenant's live state on the daemon's loop: its key secret, the blocks
-    it holds (for the quota), its buffers, pins and counters. Loop only."""
+    """A tenant's live state on the daemon's loop: its key secret, owner tag
+    and quota (an account in the store's planner: :meth:`TieredStore.owner_bytes`
+    says what it holds), its buffers, pins and counters. Loop only."""
 
     name: str
     quota_bytes: int
@@ -59,9 +66,6 @@ class Tenant:
     owner: int                         # the tag its records carry
     admin: bool = False
     uids: tuple[int, ...] = ()
-    held: dict[BlockKey, int] = field(default_factory=dict)   # server key -> bytes
-    used_bytes: int = 0
-    pending_bytes: int = 0             # puts in flight
     buffer_bytes: int = 0              # receive buffers its connections hold
     shm_bytes: int = 0                 # shared-memory segments its connections hold
     connections: int = 0
@@ -72,7 +76,6 @@ class Tenant:
     lookup_blocks: int = 0
     lookup_hit_blocks: int = 0
     no_space: int = 0
-    reconciled: tuple[int, float] = (-1, 0.0)   # the store's removals count and the time, last reconcile
 
     @property
     def label(self) -> str:
@@ -84,16 +87,6 @@ class Tenant:
 
     def salt(self, client_salt: str) -> str:
         return f"tenant:{self.name}/{client_salt}"
-
-    def hold(self, key: BlockKey, nbytes: int) -> None:
-        if key not in self.held:
-            self.held[key] = nbytes
-            self.used_bytes += nbytes
-
-    def release(self, key: BlockKey) -> None:
-        n = self.held.pop(key, None)
-        if n is not None:
-            self.used_bytes -= n
 
     def take_buffer(self, nbytes: int, limit: int) -> None:
         """Count ``nbytes`` more receive-buffer memory, or :class:`Overloaded`."""
@@ -169,17 +162,8 @@ class TenantTable:
             return None
         return tenant
 
-    def rebuild(self, records: Iterable[tuple[BlockKey, int, int]]) -> int:
-        """Count every record a tier holds against the tenant that owns it
-        (``(key, owner, bytes)`` from each tier's ``iter_owners``; a key held
-        by two tiers counts once). Returns the records counted."""
-        counted = 0
-        for key, owner, nbytes in records:
-            tenant = self.by_owner.get(owner)
-            if tenant is not None and key not in tenant.held:
-                tenant.hold(key, nbytes)
-                counted += 1
-        return counted
+    def __iter__(self) -> Iterator[Tenant]:
+        return iter(self.by_name.values())
 
 
 def _owner_tag(name: str, base: bytes) -> int:

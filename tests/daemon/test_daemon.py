@@ -354,16 +354,28 @@ def test_unauthenticated_clients_are_refused(served):
     assert_closed(s)
 
 
-def test_quota_answers_no_space(served):
+def test_a_put_past_the_quota_evicts_the_tenants_own_coldest_blocks(served):
+    """A quota was a hard cap: past it every put of a new key answered
+    no_space for ever. Now the planner makes room from the tenant's own
+    coldest blocks, and only from them."""
     keys, blocks = blocks_for(31)
+    others, other_blocks = blocks_for(32, n=2)
+    store, bravo = served.daemon.store, served.daemon.tenants.by_name["bravo"]
     with client(served.url, TOK_B) as b, client(served.url, TOK_A) as a:
-        res = b.put(IDENT, keys, blocks)
-        assert res == [PutOutcome.STORED] * QUOTA_BLOCKS + [PutOutcome.NO_SPACE] * 2
-        assert PutOutcome.NO_SPACE not in b.put(IDENT, keys[:2], blocks[:2])  # held blocks are free
-        assert a.put(IDENT, keys, blocks) == [PutOutcome.STORED] * 6        # alpha has no quota
-        assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
-        b.invalidate(IDENT)                                                  # frees bravo's share
-        assert b.put(IDENT, keys[4:], blocks[4:]) == [PutOutcome.STORED] * 2
+        assert a.put(IDENT, others, other_blocks) == [PutOutcome.STORED] * 2       # alpha has no quota
+        for k, blk in zip(keys, blocks):                                           # 6 puts, quota 4
+            assert b.put(IDENT, [k], [blk]) == [PutOutcome.STORED]
+        assert [g is not None for g in b.get(IDENT, keys)] == [False] * 2 + [True] * QUOTA_BLOCKS
+        assert b.put(IDENT, keys[2:4], blocks[2:4]) == [PutOutcome.EXISTS] * 2     # held blocks are free
+        used = b.stats()["tenant"]["used_bytes"]
+        assert used == store.owner_bytes(bravo.owner) == QUOTA_BLOCKS * BB
+        assert metric(b.metrics(), "kvstore_tenant_used_bytes", tenant="bravo") == used
+        assert metric(a.metrics(), "kvstore_tenant_used_bytes", tenant=bravo.label) == used
+        got = a.get(IDENT, others)                                                 # alpha's: untouched
+        assert all(g is not None and np.array_equal(g, o) for g, o in zip(got, other_blocks))
+        b.invalidate(IDENT)                                                        # frees bravo's share
+        assert b.stats()["tenant"]["used_bytes"] == 0
+        assert b.put(IDENT, keys[:2], blocks[:2]) == [PutOutcome.STORED] * 2
 
 
 # -- health, metrics ------------------------------------------------------------------------
@@ -509,6 +521,9 @@ def test_restart_keeps_nvme_blocks_and_client_reconnects(tmp_path):
 
 
 def test_tenant_quotas_hold_across_a_restart(tmp_path):
+    """After a restart the planner adopts every record with its owner: the
+    tenant's usage is what it held, and a put past the quota evicts its
+    blocks of before the restart, not more room."""
     cfg = daemon_config(tmp_path)
     keys, blocks = blocks_for(81)
     d = ThreadDaemon(cfg)
@@ -516,14 +531,19 @@ def test_tenant_quotas_hold_across_a_restart(tmp_path):
         with client(d.url, TOK_B) as b:
             assert b.put(IDENT, keys[:QUOTA_BLOCKS], blocks[:QUOTA_BLOCKS]) == [PutOutcome.STORED] * QUOTA_BLOCKS
     finally:
-        d.stop()                                           # drain: flush, then the ledger
+        d.stop()                                           # drain: DRAM flushed to NVMe
     d = ThreadDaemon(cfg)
     try:
         with client(d.url, TOK_B) as b:
             assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
-            assert b.put(IDENT, keys[QUOTA_BLOCKS:], blocks[QUOTA_BLOCKS:]) == \
-                [PutOutcome.NO_SPACE] * (len(keys) - QUOTA_BLOCKS)
-            assert PutOutcome.NO_SPACE not in b.put(IDENT, keys[:2], blocks[:2])   # its own: free
+            # its own (on NVMe, now copied up to DRAM too): free, and counted once
+            assert set(b.put(IDENT, keys[:2], blocks[:2])) <= {PutOutcome.STORED, PutOutcome.EXISTS}
+            assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
+            for k, blk in zip(keys[QUOTA_BLOCKS:], blocks[QUOTA_BLOCKS:]):
+                assert b.put(IDENT, [k], [blk]) == [PutOutcome.STORED]
+            assert b.stats()["tenant"]["used_bytes"] == QUOTA_BLOCKS * BB
+            held = [g is not None for g in b.get(IDENT, keys)]
+            assert sum(held) == QUOTA_BLOCKS and all(held[QUOTA_BLOCKS:]), held
     finally:
         d.stop()
 

@@ -1,10 +1,12 @@
 """A hostile tenant against a real ``kvstore serve`` process: shared memory,
-forged records, computable keys, quotas across crashes.
+forged records, computable keys, quotas across crashes (more on quotas:
+``test_daemon_quotas.py``).
 
 Each test is an attack that broke the daemon before (issue 13, items 1-4)
 and must hold now: the daemon never maps memory it does not own, cannot be
 shrunk under, serves no forged bytes, names no tenant, and counts what each
-tenant holds from the tiers themselves.
+tenant holds from the tiers themselves (the planner adopts every record
+with its owner tag).
 """
 from __future__ import annotations
 
@@ -401,8 +403,10 @@ def test_metrics_name_no_tenant_bind_loopback_and_answer_a_tenant_about_itself(d
 # -- 4. quotas that hold across crashes -------------------------------------------------------
 def test_a_quota_holds_across_sigkill_restarts(tmp_path):
     """Three SIGKILL restarts let one tenant hold 24 blocks against a quota of
-    8 (the count was written only on a graceful stop). Usage is rebuilt from
-    the records' owners on every start."""
+    8 (the count was written only on a graceful stop). The planner adopts
+    every record with its owner on every start, so each round's puts make
+    room by evicting the tenant's blocks of the round before (they are all
+    stored) and it never holds more than its quota."""
     quota = 8
     cfg = config(tmp_path, store={"nvme": {"durability": "fsync"}})
     cfg["daemon"]["tenants"][1]["quota_bytes"] = quota * BB
@@ -411,16 +415,19 @@ def test_a_quota_holds_across_sigkill_restarts(tmp_path):
         for round_ in range(3):
             keys, blocks = blocks_for(10 + round_, n=quota)
             with d.client(TOK_EVE) as eve:
-                outs = eve.put(IDENT, keys, blocks)
+                before = eve.stats()["tenant"]["used_bytes"]
+                outs = [eve.put(IDENT, [k], [b])[0] for k, b in zip(keys, blocks)]
                 used = eve.stats()["tenant"]["used_bytes"]
-            stored = outs.count(PutOutcome.STORED)
-            assert stored == (quota if round_ == 0 else 0), (round_, outs)
+            assert before == (0 if round_ == 0 else quota * BB), (round_, before)
+            assert outs == [PutOutcome.STORED] * quota, (round_, outs)
             assert used == quota * BB
             d.kill()
             d.start()
         with d.client(TOK_EVE) as eve:
             assert eve.stats()["tenant"]["used_bytes"] == quota * BB
-            held = sum(eve.lookup(blocks_for(10 + r, n=quota)[0]).prefix_blocks for r in range(3))
-            assert held == quota
+            held = [eve.lookup(blocks_for(10 + r, n=quota)[0]).prefix_blocks for r in range(3)]
+            assert held == [0, 0, quota], held
+            got = eve.get(IDENT, blocks_for(12, n=quota)[0])
+            assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, blocks_for(12, n=quota)[1]))
     finally:
         d.close()

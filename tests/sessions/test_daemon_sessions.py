@@ -90,3 +90,32 @@ def test_a_tenant_cannot_hold_more_blocks_than_its_pin_budget(tmp_path):
             assert t.end() == 6
     finally:
         d.close()
+
+
+def test_a_put_past_the_quota_never_evicts_blocks_a_live_task_holds(tmp_path):
+    """Past its quota a tenant's own coldest blocks make room, except those a
+    live task of it holds: with all of them held a new key answers
+    no_space; once the task ends they can go."""
+    cfg = config(tmp_path)
+    cfg["daemon"]["tenants"][1]["quota_bytes"] = 6 * BB
+    d = Served(tmp_path, TOK_VICTIM, config=cfg).start()
+    keys, data = blocks_for(3, n=12)
+    try:
+        with d.client(TOK_EVE) as eve:
+            for k, blk in zip(keys[:6], data[:6]):
+                assert eve.put(IDENT, [k], [blk]) == [PutOutcome.STORED]
+            t = eve.task_session("hold").begin()
+            assert t.append("s0", keys[:3])                               # the 3 coldest, held
+            for k, blk in zip(keys[6:9], data[6:9]):                      # room from keys[3:6]
+                assert eve.put(IDENT, [k], [blk]) == [PutOutcome.STORED]
+            got = eve.get(IDENT, keys[:9])
+            assert [g is not None for g in got] == [True] * 3 + [False] * 3 + [True] * 3
+            assert all(np.array_equal(g, b) for g, b in zip(got[:3], data[:3]))
+            assert t.append("s1", keys[6:9])                              # all 6 held now
+            assert eve.put(IDENT, [keys[9]], [data[9]]) == [PutOutcome.NO_SPACE]
+            assert eve.stats()["tenant"]["used_bytes"] == 6 * BB
+            assert t.end() == 6
+            assert eve.put(IDENT, [keys[9]], [data[9]]) == [PutOutcome.STORED]
+            assert eve.stats()["tenant"]["used_bytes"] == 6 * BB
+    finally:
+        d.close()
