@@ -104,7 +104,7 @@ def key_secret(config: Config) -> bytes:
 
 async def open_store(config: Config) -> TieredStore:
     """The configured store; an OS error inside the NVMe directory names that setting."""
-    from kvstore.store.factory import build_store  # noqa: PLC0415 - imports every configured tier
+    from kvstore.store.build import build_store  # noqa: PLC0415 - imports every configured tier
     try:
         return await build_store(config)
     except ConfigError as exc:

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstore.config import parse_url
 from kvstore.daemon.config import RemoteConfig
 from kvstore.daemon.protocol import (
     HEADER_SIZE,
@@ -49,7 +50,6 @@ from kvstore.daemon.protocol import (
     STATUS_ERROR,
     Op,
     frame,
-    parse_url,
     raise_error,
     unpack_header,
     unpack_meta,

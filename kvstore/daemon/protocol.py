@@ -142,23 +142,6 @@ def raise_error(meta: dict[str, Any]) -> None:
     raise cls(f"daemon: {meta.get('message', '')}")
 
 
-def parse_url(url: str) -> tuple[str, str | tuple[str, int]]:
-    """``unix:///path`` -> ("unix", path); ``tcp://host:port`` -> ("tcp", (host, port))."""
-    if not isinstance(url, str):
-        raise errors.ConfigError(f"daemon url must be a string, got {url!r}")
-    if url.startswith("unix://"):
-        path = url[len("unix://"):]
-        if not path:
-            raise errors.ConfigError(f"daemon url {url!r} names no socket path")
-        return "unix", path
-    if url.startswith("tcp://"):
-        host, sep, port = url[len("tcp://"):].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise errors.ConfigError(f"daemon url {url!r} must be tcp://host:port")
-        return "tcp", (host.strip("[]"), int(port))
-    raise errors.ConfigError(f"daemon url must start with unix:// or tcp://, got {url!r}")
-
-
 # -- request fields ---------------------------------------------------------------
 # A request's metadata is whatever msgpack a peer sent: every field is checked
 # here, with a typed error naming it, before anything acts on it.
