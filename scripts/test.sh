@@ -89,4 +89,5 @@ step "lint and types (ruff, mypy; configured in pyproject.toml)"
 
 step "tests"
 export KVSTORE_TEST_STRICT=1
-exec "$PY" -m pytest -q "$@"
+# the 15 slowest tests close the report: candidates for @pytest.mark.slow (the fast loop is -m "not slow")
+exec "$PY" -m pytest -q --durations=15 "$@"

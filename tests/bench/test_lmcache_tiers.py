@@ -25,6 +25,7 @@ def peer_python_or_skip() -> str:
         pytest.skip(str(exc))
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_peer_rows_beside_ours(tmp_path):
     peer_python_or_skip()

@@ -64,6 +64,7 @@ def test_goals_pass_and_fail_where_they_should():
     assert not few["hit_ok"] and not few["gap_ok"]
 
 
+@pytest.mark.slow
 def test_scorecard_runs_every_policy_in_every_agent_band(tmp_path):
     cases = default_cases(None, agent=AgentWorkloadConfig(duration_s=20.0))
     assert [c.name for c in cases] == ["agent <100K", "agent 100K-250K", "agent 250K-500K", "agent >500K"]
@@ -78,6 +79,7 @@ def test_scorecard_runs_every_policy_in_every_agent_band(tmp_path):
     assert res["goals_met"] == all(v for c in res["cases"] for k, v in c["goals"].items() if k.endswith("_ok"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACE.is_file(), reason="needs ../shared/traces")
 def test_scorecard_command_writes_the_matrix(tmp_path):
     out = tmp_path / "card.json"

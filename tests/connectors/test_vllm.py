@@ -29,7 +29,7 @@ import pytest
 
 from tests.redis_server import RedisServer, free_port, redis_server_binary
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -45,7 +45,7 @@ from tests.connectors.test_vllm import (
     vllm_python,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.slow]
 
 TOKEN = "vllm-daemon-token-0001"
 A_BLOCKS, C_BLOCKS = len(A) // BS, len(C) // BS      # sealed blocks (6 and 3)

@@ -26,7 +26,7 @@ from kvstore.outcomes import PutOutcome
 from tests.daemon.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config
 from tests.served import MountNamespace, Served, can_make_mount_namespaces
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 IDENT = CacheIdentity("durability-model", KVLayout(num_layers=2, num_kv_heads=4, head_dim=64,
                                                     block_tokens=32, dtype="float16"))   # 64 KiB blocks

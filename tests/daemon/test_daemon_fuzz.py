@@ -34,7 +34,7 @@ PER_EXAMPLE = 20
 BB = IDENT.layout.block_bytes
 IDENT_BYTES = json.dumps(IDENT.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
-pytestmark = pytest.mark.timeout(max(600, FRAMES // 20))
+pytestmark = [pytest.mark.timeout(max(600, FRAMES // 20)), pytest.mark.slow]
 
 
 # -- strategies ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from kvstore.tiers.segments import FRAME_HEAD_BYTES
 from tests.redis_server import free_port
 from tests.served import Served
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 IDENT = CacheIdentity("isolation-model", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64,
                                                    block_tokens=16, dtype="float16"))

@@ -23,7 +23,7 @@ from kvstore.outcomes import PutOutcome
 from tests.daemon.test_daemon_isolation import BB, IDENT, TOK_EVE, TOK_VICTIM, blocks_for, config
 from tests.served import Served
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 BIG = CacheIdentity("quota-model", KVLayout(num_layers=8, num_kv_heads=8, head_dim=128,
                                             block_tokens=64, dtype="float16"))

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvstore.outcomes import GetOutcome
 from kvstore.tiers.nvme import NvmeTier
@@ -99,6 +100,7 @@ async def verify(data: Path, present: set[bytes], gone: set[bytes], unsure: set[
         await tier.close()
 
 
+@pytest.mark.slow
 def test_sigkill_loses_no_acknowledged_block_and_returns_no_torn_one(tmp_path):
     rng = random.Random(SEED)
     data = tmp_path / "nvme"

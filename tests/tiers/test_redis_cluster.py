@@ -13,7 +13,7 @@ from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from .contract import BLOCK, SPEC, TierContract, key, payload
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 _prefixes = itertools.count()
 N = 48
 

@@ -13,7 +13,7 @@ from kvstore.tiers.redis import RedisConfig, RedisTier
 
 from .contract import BLOCK, SPEC, key, payload
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 
 def _tier(url: str, **kw) -> RedisTier:
