@@ -21,7 +21,14 @@ disagreement is reported, never hidden:
   slab page per slot, HBM slots, Redis records; NVMe gets twice its budget
   on disk for dead records and tombstones), so a real tier never refuses or
   evicts by itself what the planner placed; if one does, the planners part
-  and the summary says where (``diverged_requests``).
+  and the summary says where (``diverged_requests``);
+* agent task sessions (:mod:`kvstore.bench.tasks`) go through the store's
+  own session API (``session_call``: its driver, admission and
+  ``worth_keeping`` as the planner replay's), its clock set to the request's
+  time (a pause: the call's estimated end), and the tasks due back are
+  prefetched by the store (``prefetch_returning``) where the planner replay
+  prefetches them, awaited before the request's lookup; every call's answer
+  must be the planner replay's (``diverged_sessions``).
 
 Threading: one private event loop per replay, driven synchronously from the
 replay's thread (``run_until_complete`` per request); not thread-safe.
@@ -36,13 +43,14 @@ import tempfile
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvstore.bench.demo import payload_for, stand_in_tokens
 from kvstore.bench.simulate import PlanReplay, StepResult
 from kvstore.bench.trace import TraceRequest
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import BlockKey, KeyChain
 from kvstore.policies.eviction import LRU
@@ -232,6 +240,7 @@ class StoreReplayCounters:
     missing_blocks: int = 0       # lookup hits the load then missed
     diverged_requests: int = 0    # requests whose hits per tier differ from the planner-only replay
     first_divergence: int = -1    # index of the first such request
+    diverged_sessions: int = 0    # session calls answered otherwise than by the planner-only replay
 
 
 class StoreReplay:
@@ -256,9 +265,13 @@ class StoreReplay:
         self._loop = asyncio.new_event_loop()
         try:
             tiers = self._loop.run_until_complete(open_tiers(cfg, policy, setup.names, self._workdir))
-            # a replay of the engine's requests: closing must not write anything down
+            # a replay of the engine's requests: closing must not write anything down; no
+            # prefetch budget (the planner replay has none)
             self.store = TieredStore(tiers, placement=setup.placement, eviction=LRU, lower_eviction=setup.lower,
-                                     clock=lambda: self._now, flush_on_close=False)
+                                     clock=lambda: self._now, flush_on_close=False, max_prefetch_blocks=1 << 40,
+                                     admission=setup.admission, worth_keeping=setup.worth_keeping,
+                                     block_bytes=cfg.block_bytes)
+            self.store.driver.return_tier = shadow.driver.return_tier    # tier 0 stands for the engine's HBM
         except BaseException:
             self._loop.close()
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -294,6 +307,37 @@ class StoreReplay:
                 c.first_divergence = self._index
         self._index += 1
         return res
+
+    # -- task sessions (kvstore.bench.tasks) ------------------------------------------------
+    def session(self, op: str, tenant: str, task: str, args: dict, now: float) -> int | bool | None:
+        """One session call on the store (at ``now`` by its clock) and on the
+        planner replay; the store's answer (or error), checked against the other's."""
+        if "keys" in args:
+            args = {**args, "keys": [self.keys[h][0] for h in args["keys"]]}
+        self._now = now
+        want = _outcome(lambda: self.shadow.session(op, tenant, task, args, now))
+        got = _outcome(lambda: self.store.session_call(op, tenant, task, args))
+        if (type(want[1]) if want[0] else want[1]) != (type(got[1]) if got[0] else got[1]):
+            self.counters.diverged_sessions += 1
+            if self.counters.first_divergence < 0:
+                self.counters.first_divergence = self._index
+        if got[0]:
+            raise got[1]
+        return got[1]
+
+    def returns_due(self, now: float) -> int:
+        """The tasks due back by ``now``, prefetched by the store (awaited)
+        and by the planner replay; returns the blocks the store moved."""
+        self._now = now
+        moved = self._loop.run_until_complete(self._returns())
+        self.shadow.returns_due(now)
+        return moved
+
+    async def _returns(self) -> int:
+        return await self.store.prefetch_returning()
+
+    def session_stats(self) -> dict:
+        return self.store.driver.stats()
 
     async def _serve(self, ident: CacheIdentity, keys: list[BlockKey], storable: int | None,
                      followup: float | None) -> StepResult:
@@ -360,7 +404,8 @@ class StoreReplay:
             "io_s": round(self._busy_s, 3),
         })
         out["ok"] = not (out["wrong_blocks"] or out["missing_blocks"] or out["refused_blocks"]
-                         or out["diverged_requests"] or lost or extra or unexpected or unplanned)
+                         or out["diverged_requests"] or out["diverged_sessions"] or lost or extra
+                         or unexpected or unplanned)
         return out
 
     async def _drop_redis(self) -> None:
@@ -369,6 +414,14 @@ class StoreReplay:
         if "redis" in self.names:
             for spec_identity in self.keys.identities():
                 await self.store.ainvalidate(spec_identity)
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[bool, Any]:
+    """(False, the result) or (True, the exception) of a session call."""
+    try:
+        return False, call()
+    except KVStoreError as exc:
+        return True, exc
 
 
 class StoreReplayFactory:

@@ -1,9 +1,13 @@
 """Trace replay: policies side by side over the same requests and capacities.
 
-``run_replay`` is what ``kvstore bench replay`` calls. Each policy gets its
-own :class:`~kvstore.bench.simulate.Simulator` (fresh tiers, fresh orders);
-the offline ``belady`` bound comes from :mod:`kvstore.policies.belady`. Time
-is modelled by :class:`~kvstore.bench.costmodel.CostModel` and the model's
+``run_replay`` is what ``kvstore bench replay`` calls. Each online policy
+gets its own :class:`~kvstore.store.planner.Planner` (fresh budgets, fresh
+orders: the store's own decisions), driven by a
+:class:`~kvstore.bench.simulate.PlanReplay` (no bytes, every plan completed
+at once) or, with a data plane, by a real store checked against it
+(:mod:`kvstore.bench.dataplane`); the offline ``belady`` bound comes from
+:mod:`kvstore.policies.belady`. Time is modelled by
+:class:`~kvstore.bench.costmodel.CostModel` and the model's
 parameters are part of the result.
 
 Policies: ``hbm-only`` (engine prefix cache alone, LRU), ``always-offload``
@@ -18,13 +22,14 @@ the agent generator writes them) or none (``hints="none"``).
 
 Agent task sessions (``sessions="on"``, or ``"both"`` for each online
 policy with and without, side by side as ``NAME`` and ``NAME+sessions``):
-the trace's task fields drive the store's session ledger through
-:class:`~kvstore.bench.tasks.TaskReplay` (a live task's blocks are demoted,
-never dropped; a paused one's are prefetched back before it resumes), and
-``admission`` adds the AIMD admission of tasks to sessions
-(``NAME+sessions+admission``). Session rows replay on the planner alone
-(the data plane checks the rows without). ``hbm-only`` gets no sessions:
-the engine's own prefix cache is nobody's to hold.
+the trace's task fields drive the store's request driver
+(:mod:`kvstore.store.driver`) through :class:`~kvstore.bench.tasks.TaskReplay`
+(a live task's blocks are demoted, never dropped; a paused one's are
+prefetched back before it resumes), and ``admission`` adds the driver's
+AIMD admission of tasks to sessions (``NAME+sessions+admission``). With a
+data plane, session rows go through the real store too and are checked
+like the others. ``hbm-only`` gets no sessions: the engine's own prefix
+cache is nobody's to hold.
 
 ``oracle_noise`` flips each of the oracle's hints with that probability
 (seeded): hints of a given quality - a binary predictor that errs on a
@@ -134,20 +139,27 @@ class ReplayConfig:
 class PolicySetup:
     """What one online policy runs on: its tiers (name, capacity in blocks),
     its placement and the eviction order below HBM (None: the placement's
-    own when it models reuse, else LRU). Fresh objects on every call: the
-    planner-only replay and the store replay each get their own."""
+    own when it models reuse, else LRU), and for task sessions the
+    driver's ``admission`` (None: every task gets a session) and
+    ``worth_keeping``. Fresh objects on every call: the planner-only replay
+    and the store replay each get their own."""
 
     tiers: list[tuple[str, int]]
     placement: PlacementPolicy
     lower: Callable[[], EvictionPolicy] | None = None
+    admission: AIMDAdmission | None = None
+    worth_keeping: bool = True
 
     @property
     def names(self) -> list[str]:
         return [n for n, _ in self.tiers]
 
 
-def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup:
-    """Fresh tiers and policy objects for one online policy."""
+def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel, *, admission: bool = False) -> PolicySetup:
+    """Fresh tiers and policy objects for one online policy; ``admission``:
+    with AIMD admission of tasks to sessions. A paused task's blocks are
+    held where the cost model says a reload from the slowest tier beats a
+    recompute."""
     tiers = cfg.tiers()
     names = [n for n, _ in tiers]
     lower: Callable[[], EvictionPolicy] | None = None
@@ -168,8 +180,7 @@ def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup
                           window_s=cfg.window_s,
                           tokens_per_key=cfg.block_tokens, nvme_min_count=cfg.nvme_min_count)
         placement = RegimePlacement(
-            names, rc, capacities={n: b * cfg.block_tokens for n, b in tiers},
-            load_beats_recompute=lambda t: cost.load_beats_recompute(t, cfg.block_tokens),
+            names, rc, load_beats_recompute=lambda t: cost.load_beats_recompute(t, cfg.block_tokens),
             clock=lambda: 0.0)
         # HBM is the engine's own prefix cache (LRU in vLLM / SGLang): no policy
         # gets to reorder it; the regime policy's order (or the one asked for) applies below it.
@@ -178,18 +189,21 @@ def policy_setup(policy: str, cfg: ReplayConfig, cost: CostModel) -> PolicySetup
             lower = lambda: make_eviction(name)   # noqa: E731
     else:
         raise ConfigError(f"{policy!r} is not an online policy")
-    return PolicySetup(tiers, placement, lower)
+    return PolicySetup(tiers, placement, lower, AIMDAdmission(SESSION_ADMISSION) if admission else None,
+                       cost.load_beats_recompute(tiers[-1][0], cfg.block_tokens))
 
 
 def build_replay(policy: str, cfg: ReplayConfig, cost: CostModel, *,
-                 record_events: bool = False) -> PlanReplay:
+                 record_events: bool = False, admission: bool = False) -> PlanReplay:
     """The planner-only replay of one online policy: the store's planner
-    over budgets in blocks (every block has footprint 1)."""
-    setup = policy_setup(policy, cfg, cost)
+    over budgets in blocks (every block has footprint 1), driven by the
+    store's request driver."""
+    setup = policy_setup(policy, cfg, cost, admission=admission)
     orders = tier_orders(setup.placement, setup.names, lower=setup.lower)
     plans = [TierPlan(name, blocks, order, footprint=lambda nbytes: 1, persistent=name in ("nvme", "redis"))
              for (name, blocks), order in zip(setup.tiers, orders)]
-    return PlanReplay(Planner(plans, setup.placement), record_events=record_events)
+    return PlanReplay(Planner(plans, setup.placement, block_nbytes=1), record_events=record_events,
+                      admission=setup.admission, worth_keeping=setup.worth_keeping)
 
 
 def storable(req: TraceRequest, cfg: ReplayConfig) -> int:
@@ -221,18 +235,14 @@ def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig,
     the replayer ``data_plane_factory(policy, setup, shadow)`` makes (a real
     store: :mod:`kvstore.bench.dataplane`; ``shadow`` is the planner-only
     replay to check it against), whose ``close()`` summary lands in
-    ``PolicyRun.data_plane``. ``sessions``: with agent task sessions (on
-    the planner alone), ``admission``: and AIMD admission to them."""
-    replayer: Replayer
-    if data_plane_factory is None or sessions:
-        replayer = build_replay(policy, cfg, cost)
-    else:
-        replayer = data_plane_factory(policy, policy_setup(policy, cfg, cost), build_replay(policy, cfg, cost))
-    tasks = None
-    if sessions:
-        slowest = replayer.planner.tiers[-1].name
-        tasks = TaskReplay(replayer.planner, AIMDAdmission(SESSION_ADMISSION) if admission else None,
-                           worth_keeping=cost.load_beats_recompute(slowest, cfg.block_tokens))
+    ``PolicyRun.data_plane``. ``sessions``: with agent task sessions from
+    the trace's task fields (:class:`TaskReplay`; through the real store
+    too, checked like every request), ``admission``: and AIMD admission to
+    them."""
+    shadow = build_replay(policy, cfg, cost, admission=admission)
+    replayer: Replayer = shadow if data_plane_factory is None else \
+        data_plane_factory(policy, policy_setup(policy, cfg, cost, admission=admission), shadow)
+    tasks = TaskReplay(replayer) if sessions else None
     try:
         run = _steps(replayer, policy, requests, cfg, tasks)
     finally:
@@ -247,8 +257,9 @@ def run_online(policy: str, requests: Sequence[TraceRequest], cfg: ReplayConfig,
 
 class Replayer(Protocol):
     """What serves a replay's requests: :class:`PlanReplay`, or a store
-    replay (:class:`kvstore.bench.dataplane.StoreReplay`). ``close()``
-    returns the data plane's summary ({} for none)."""
+    replay (:class:`kvstore.bench.dataplane.StoreReplay`), and the session
+    calls of its tasks (:class:`~kvstore.bench.tasks.SessionPort`).
+    ``close()`` returns the data plane's summary ({} for none)."""
 
     @property
     def planner(self) -> Planner: ...
@@ -257,6 +268,12 @@ class Replayer(Protocol):
 
     def step(self, keys: Sequence[Hashable], now: float, storable: int | None = None,
              followup: float | None = None) -> StepResult: ...
+
+    def session(self, op: str, tenant: str, task: str, args: dict, now: float) -> int | bool | None: ...
+
+    def returns_due(self, now: float) -> int: ...
+
+    def session_stats(self) -> dict: ...
 
     def close(self) -> dict: ...
 

@@ -37,6 +37,7 @@ from kvstore.errors import ConfigError, InvalidHint, KVStoreError, TierUnavailab
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
 from kvstore.stats import LATENCY_BUCKETS
+from kvstore.store.driver import followup_of, ops_after, ops_before, send
 from kvstore.store.facade import Store
 from kvstore.units import finite
 
@@ -363,7 +364,7 @@ class TaskHint:
     def followup(self) -> float | None:
         """The session as the placement's hint: a task that pauses for a tool
         will send its context again, one that ends will not."""
-        return 0.0 if self.end else 1.0 if self.tool_s is not None else None
+        return followup_of(self.tool_s, self.end)
 
 
 def request_task(params: Mapping[str, Any] | None, guard: StoreGuard) -> TaskHint | None:
@@ -397,28 +398,18 @@ def request_task(params: Mapping[str, Any] | None, guard: StoreGuard) -> TaskHin
 
 
 def task_before(store: Store, hint: TaskHint, guard: StoreGuard) -> None:
-    """What a task's request does before its lookup: begin the task (fork it
-    from ``parent`` when new) and roll it back when asked. Never raises."""
-    def run() -> None:
-        if hint.parent is not None:
-            store.task_session(hint.parent).fork(hint.id)   # a no-op for a live child
-        else:
-            store.task_session(hint.id).begin()
-        if hint.rollback is not None:
-            store.task_session(hint.id).rollback(hint.rollback)
-    guard.call("task", run, None)
+    """What a task's request does before its lookup, as the request driver
+    sequences it (:func:`~kvstore.store.driver.ops_before`): begin the task
+    (fork it from ``parent`` when new), resume it, roll it back when asked.
+    Never raises."""
+    ops = ops_before(hint.id, parent=hint.parent, rollback=hint.rollback)
+    guard.call("task", lambda: send(ops, store.task_session), None)
 
 
 def task_after(store: Store, hint: TaskHint, keys: Sequence[Any], guard: StoreGuard) -> None:
-    """What a task's request does once its blocks are saved: append them as
-    the step (idempotent by task and step), then checkpoint, pause, end."""
-    def run() -> None:
-        s = store.task_session(hint.id)
-        s.append(hint.step, keys, idem=f"step:{hint.step}")
-        if hint.checkpoint is not None:
-            s.checkpoint(hint.checkpoint)
-        if hint.end:
-            s.end()
-        elif hint.tool_s is not None:
-            s.pause(hint.tool_s)
-    guard.call("task", run, None)
+    """What a task's request does once its blocks are saved
+    (:func:`~kvstore.store.driver.ops_after`): append them as the step
+    (idempotent by task and step), then checkpoint, end or pause."""
+    ops = ops_after(hint.id, step=hint.step, keys=keys, idem=f"step:{hint.step}", checkpoint=hint.checkpoint,
+                    tool_s=hint.tool_s, end=hint.end)
+    guard.call("task", lambda: send(ops, store.task_session), None)

@@ -16,10 +16,11 @@ and the trace replay alike; see docs/architecture.md, "Policies"):
   ordered tier list (0 = fastest). The planner turns these answers into
   moves; the executor (:mod:`kvstore.store.moves`) moves the bytes.
 
-Optional behaviour is declared by the small runtime-checkable Protocols
-below (:class:`PrefetchesOnLookup`, :class:`TakesSessionHints`,
-:class:`KnowsCapacity`, :class:`ModelsReuse`), never discovered by
-``getattr``.
+Optional behaviour is declared: a placement subclasses
+:class:`PlacementPolicy` and inherits a no-op for what it does not do
+(prefetch on lookup, session hints, an order of its own), never discovered
+with ``getattr`` or ``isinstance``. A placement asks the planner, through
+:class:`TierView`, for what only the planner knows: capacities and counts.
 
 Threading: policies are plain single-threaded objects; the planner calls
 them from the store's event loop only. Time is injected (``now`` arguments
@@ -51,19 +52,74 @@ class EvictionPolicy(Protocol):
         """Choose and forget ``n`` victims not in ``protected``, or return
         ``None`` and change nothing when fewer than ``n`` are eligible."""
 
+    def peek(self) -> Key | None:
+        """The key ``evict(1, ())`` would choose, without choosing it (None:
+        empty, or an order that cannot tell without walking)."""
+        return None
+
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
+
+
+class TierView(Protocol):
+    """What a placement may ask the planner about the tiers. The planner owns
+    every capacity and count (a tier's budget is in bytes in the store and
+    in blocks in the replay, so only the planner can turn it into blocks);
+    a policy keeps no copy of them."""
+
+    engine_tokens: int
+    """The engines' own prefix caches above the store's tiers, in tokens
+    (their connectors report them; 0 until one does)."""
+
+    def capacity_blocks(self, tier: int) -> int | None:
+        """Blocks the tier holds at most (None: unbudgeted, or not known yet)."""
+
+    def blocks_in(self, tier: int) -> int:
+        """Blocks in the tier now (or being written there)."""
+
+    def next_victim(self, tier: int) -> Key | None:
+        """The block the tier's order would evict next (None: none, or unknown)."""
+
+    def planned(self, key: Key, tier: int) -> bool:
+        """Whether the tier holds the block (or it is being written there)."""
+
+
+class _NoView:
+    engine_tokens = 0
+
+    def capacity_blocks(self, tier: int) -> int | None:
+        return None
+
+    def blocks_in(self, tier: int) -> int:
+        return 0
+
+    def next_victim(self, tier: int) -> Key | None:
+        return None
+
+    def planned(self, key: Key, tier: int) -> bool:
+        return False
+
+
+NO_VIEW: TierView = _NoView()   # a placement used with no planner (a unit test)
 
 
 @runtime_checkable
 class PlacementPolicy(Protocol):
     """Where blocks live across the store's ordered tiers (0 = fastest).
 
+    Every placement subclasses this class; what a placement does not need it
+    inherits as a no-op (so the planner calls every method on every
+    placement, and never asks which kind it has).
+
     Online: a decision may depend only on calls made so far (the replay test
     ``tests/bench/test_replay.py::test_online_policies_see_only_the_past``
     holds every online policy to this).
     """
+
+    def put_targets(self, key: Key) -> list[int]:
+        """Tiers a newly computed block is written to; ``[]`` = do not store."""
+        ...
 
     def on_request(self, keys: Sequence[Key], now: float, followup: float | None = None) -> None:
         """Observe a request's sealed block keys (in prefix order) at time ``now``.
@@ -72,57 +128,38 @@ class PlacementPolicy(Protocol):
         request's context will be sent again (an agent's next step, a chat's
         next turn), or ``None`` when the caller does not know. A policy may
         ignore it; :class:`~.regime.RegimePlacement` learns how far to trust it."""
-
-    def put_targets(self, key: Key) -> list[int]:
-        """Tiers a newly computed block is written to; ``[]`` = do not store."""
+        return None
 
     def on_evict(self, key: Key, from_tier: int) -> int | None:
         """A block leaves ``from_tier``: the slower tier to demote it to, or ``None`` to drop."""
+        return None
 
     def on_hit(self, key: Key, tier: int) -> int | None:
         """A block was read from ``tier``: a faster tier to promote it to, or ``None``."""
+        return None
 
-    def stats(self) -> dict: ...
+    def prefetch_to(self, hit_tier: int) -> int | None:
+        """A lookup found a request's block in ``hit_tier``: the tier to copy
+        it up to before the engine loads it, or None (not worth it)."""
+        return None
 
+    def on_return(self, keys: Sequence[Key], now: float) -> None:
+        """A paused agent task's blocks are about to be read again (its tool
+        is due back): they are worth as much as blocks just used."""
+        return None
 
-@runtime_checkable
-class PrefetchesOnLookup(Protocol):
-    """A placement that promotes a request's prefix ahead of its load: a
-    lookup finding blocks in tier ``hit_tier`` copies them to the tier this
-    returns (None: not worth it), before the engine asks for the bytes."""
+    def make_order(self, tier: str) -> EvictionPolicy | None:
+        """The eviction order of tier ``tier`` below the first, over the
+        placement's own reuse model; None: the store's default order."""
+        return None
 
-    def prefetch_to(self, hit_tier: int) -> int | None: ...
+    def attach(self, view: TierView) -> None:
+        """The planner this placement decides for: what it asks for
+        capacities and counts (called once the planner is built)."""
+        return None
 
-
-@runtime_checkable
-class TakesSessionHints(Protocol):
-    """A placement told what agent task sessions know: ``on_return``: a
-    paused task's blocks are about to be read again (its tool is due back),
-    so they are worth as much as blocks just used."""
-
-    def on_return(self, keys: Sequence[Key], now: float) -> None: ...
-
-
-@runtime_checkable
-class KnowsCapacity(Protocol):
-    """A placement that wants to know a tier's capacity in tokens, among
-    them ``hbm``: the engine's own prefix cache, reported by its connector
-    (:meth:`~.regime.RegimePlacement.set_capacity`). ``tokens_per_key``:
-    the tokens it counts per block key, so a store can turn its tiers'
-    bytes into tokens once it knows a block's size."""
-
-    @property
-    def tokens_per_key(self) -> int: ...
-
-    def set_capacity(self, tier: str, tokens: int) -> None: ...
-
-
-@runtime_checkable
-class ModelsReuse(Protocol):
-    """A placement that orders the tiers below the first itself, over its own
-    reuse model (:meth:`~.regime.RegimePlacement.make_order`)."""
-
-    def make_order(self, tier: str) -> EvictionPolicy: ...
+    def stats(self) -> dict:
+        return {}
 
 
 def tier_index(tiers: Sequence[str], name: str) -> int | None:

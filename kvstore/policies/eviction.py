@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Callable, Container, Hashable, Iterator, Sequence
 
 from kvstore.errors import ConfigError
-from kvstore.policies.base import EvictionPolicy, Key, ModelsReuse
+from kvstore.policies.base import EvictionPolicy, Key, PlacementPolicy
 
 
 class OrderPolicy:
@@ -30,6 +30,10 @@ class OrderPolicy:
 
     def _drop(self, key: Key) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def peek(self) -> Key | None:
+        """Orders that can tell their next victim cheaply say so (LRU's, the regime's)."""
+        return None
 
     def evict(self, n: int, protected: Container[Key] = ()) -> list[Key] | None:
         """Return ``n`` victims (none in ``protected``) and forget them, or
@@ -364,18 +368,17 @@ def make_eviction(name: str) -> EvictionPolicy:
         raise ConfigError(f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}") from None
 
 
-def tier_orders(placement: object, names: Sequence[str], *,
+def tier_orders(placement: PlacementPolicy, names: Sequence[str], *,
                 top: Callable[[], EvictionPolicy] = LRU,
                 lower: Callable[[], EvictionPolicy] | None = None) -> list[EvictionPolicy]:
     """One eviction order per tier, fastest first: ``top()`` for the first
     (HBM is the engine's own LRU cache: no policy reorders it); below it
-    ``lower()`` when given, else the placement's own order when it models
-    reuse (:class:`~.base.ModelsReuse`), else ``top()``. The store and the
-    replay both build their orders here."""
+    ``lower()`` when given, else the placement's own order where it has one
+    (``make_order``), else ``top()``. The store and the replay both build
+    their orders here."""
     def below(name: str) -> EvictionPolicy:
         if lower is not None:
             return lower()
-        if isinstance(placement, ModelsReuse):
-            return placement.make_order(name)
-        return top()
+        own = placement.make_order(name)
+        return own if own is not None else top()
     return [top() if i == 0 else below(n) for i, n in enumerate(names)]

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from kvstore.errors import ConfigError
+from kvstore.policies.base import PlacementPolicy
 
 
-class _Base:
+class _Base(PlacementPolicy):
     name = "base"
 
     def __init__(self, tiers: Sequence[str]) -> None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
 from kvstore.errors import ConfigError
-from kvstore.policies.base import check_followup, first_present
+from kvstore.policies.base import NO_VIEW, PlacementPolicy, TierView, check_followup, first_present
 from kvstore.policies.eviction import ClassedLRU, SegmentLRU
 from kvstore.policies.working_set import WorkingSetConfig, WorkingSetEstimator, stable_hash64
 
@@ -318,7 +318,7 @@ def auto_thresholds(capacities: Mapping[str, int]) -> tuple[int, int, int]:
     return hbm, (hbm + t3) // 2, t3
 
 
-class RegimePlacement:
+class RegimePlacement(PlacementPolicy):
     """Placement by regime over the store's ordered tiers (names: ``hbm``,
     ``dram``, ``nvme``, ``redis``; absent tiers are skipped).
 
@@ -328,17 +328,17 @@ class RegimePlacement:
     whether to keep it (``put_targets``): HBM_ONLY declines it (the engine
     serves what fits its cache itself), WATCH keeps it only with reuse
     evidence, DRAM and SPILL keep it in DRAM. ``capacities["hbm"]`` is then
-    the engine's cache in tokens (``set_capacity`` when the engine reports it).
+    the engines' caches in tokens, as their connectors report them.
 
-    ``capacities`` (tokens per tier) are needed by ``mode="auto"`` and the
-    free-room rules (a store passes them with ``set_capacity``);
-    ``load_beats_recompute(tier_name) -> bool`` comes from the cost model
+    Capacities (``mode="auto"``'s thresholds, the free-room rules) and the
+    tiers' counts and next victims are the planner's: it attaches itself
+    as this policy's :class:`~.base.TierView`; the engines' caches are its
+    ``engine_tokens``. ``load_beats_recompute(tier_name) -> bool`` comes from the cost model
     (or measured bandwidths) and rules out slow tiers.
     Single-threaded; ``clock`` is used when ``on_request`` gets no ``now``.
     """
 
     def __init__(self, tiers: Sequence[str], config: RegimeConfig = RegimeConfig(), *,
-                 capacities: Mapping[str, int] | None = None,
                  load_beats_recompute: Callable[[str], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = list(tiers)
@@ -353,17 +353,14 @@ class RegimePlacement:
                     and (usable is None or usable(self.tiers[i]))]
         if self._hbm is None and self._dram is None and not self._l3:
             raise ConfigError("RegimePlacement needs a tier to place blocks in")
-        self._capacities = dict(capacities or {})
-        self.thresholds = (auto_thresholds(self._capacities) if config.mode == "auto"
-                           else tuple(config.thresholds))
+        self._view: TierView = NO_VIEW
+        self._fixed = tuple(config.thresholds)
         self._ws = WorkingSetEstimator(WorkingSetConfig(window_s=config.window_s,
                                                         tokens_per_key=config.tokens_per_key),
                                        clock=clock)
         self._freq = FrequencyFilter(width=config.filter_width)
         self._model = ReuseModel(power=config.class_weight_power)
-        self._orders: dict[int, SegmentLRU | ClassedLRU] = {}
-        self._caps: dict[int, int] = {i: (capacities or {}).get(t, 0) // config.tokens_per_key
-                                      for i, t in enumerate(self.tiers)} if capacities else {}
+        self._own: set[int] = set()       # the tiers ordered by this policy's make_order
         self.regime = config.initial
         self._timeline: list[dict] = []
         self._counts = {"writebacks": 0, "saves_declined": 0, "dropped": 0, "spills": 0,
@@ -395,11 +392,11 @@ class RegimePlacement:
             self._timeline.append({"t_s": now, "regime": new.name, "working_set_tokens": ws})
 
     def _next_regime(self, ws: int) -> Regime:
-        h = self.config.hysteresis
+        h, t = self.config.hysteresis, self.thresholds
         r = int(self.regime)
-        while r < 3 and ws > self.thresholds[r] * (1 + h):
+        while r < 3 and ws > t[r] * (1 + h):
             r += 1
-        while r > 0 and ws < self.thresholds[r - 1] * (1 - h):
+        while r > 0 and ws < t[r - 1] * (1 - h):
             r -= 1
         return Regime(r)
 
@@ -415,19 +412,27 @@ class RegimePlacement:
             return None
         return self._dram
 
-    @property
-    def tokens_per_key(self) -> int:
-        return self.config.tokens_per_key
+    def attach(self, view: TierView) -> None:
+        self._view = view
 
-    def set_capacity(self, tier: str, tokens: int) -> None:
-        """A tier's capacity in tokens (``hbm``: the engine's cache, as its
-        connector reports it; the store's tiers once a put shows a block's
-        size); ``auto`` thresholds and the free-room rules follow it."""
-        self._capacities[tier] = max(0, int(tokens))
-        if tier in self.tiers:
-            self._caps[self.tiers.index(tier)] = self._capacities[tier] // self.config.tokens_per_key
-        if self.config.mode == "auto":
-            self.thresholds = auto_thresholds(self._capacities)
+    @property
+    def thresholds(self) -> tuple[int, ...]:
+        """The working-set thresholds (tokens) between the regimes: the
+        configured ones, or under ``auto`` the planner's capacities now."""
+        return auto_thresholds(self.capacities()) if self.config.mode == "auto" else self._fixed
+
+    def capacities(self) -> dict[str, int]:
+        """Each tier's capacity in tokens, as the planner knows it, and
+        ``hbm``: the engines' caches when the store has no HBM tier of its own."""
+        tpk, view = self.config.tokens_per_key, self._view
+        caps = {}
+        for i, name in enumerate(self.tiers):
+            blocks = view.capacity_blocks(i)
+            if blocks is not None:
+                caps[name] = blocks * tpk
+        if self._hbm is None:
+            caps["hbm"] = view.engine_tokens
+        return caps
 
     def put_targets(self, key: Hashable) -> list[int]:
         if self._hbm is not None:
@@ -455,7 +460,7 @@ class RegimePlacement:
                 return self._drop()
             if r == Regime.WATCH and not self._admits(key, self._dram, self.config.reuse_min_count):
                 return self._drop()
-            if self.config.exclusive and any(key in o for i, o in self._orders.items()
+            if self.config.exclusive and any(self._view.planned(key, i) for i in self._own
                                              if i != self._dram):
                 return self._drop()     # a lower tier still holds it: no second copy
             self._counts["writebacks"] += 1
@@ -478,8 +483,8 @@ class RegimePlacement:
         reuse evidence is not needed for it. Measured (kvstore bench sweep):
         without this rule regime trailed lru by 3-4% in the 100-250K and
         250-500K bands, where DRAM is large and WATCH left it half empty."""
-        order, cap = self._orders.get(tier), self._caps.get(tier)
-        return order is not None and cap is not None and len(order) < cap
+        cap = self._view.capacity_blocks(tier)
+        return tier in self._own and cap is not None and self._view.blocks_in(tier) < cap
 
     def _admits(self, key: Hashable, tier: int, min_count: int) -> bool:
         """The write filter where a regime asks for evidence (WATCH's DRAM
@@ -497,13 +502,11 @@ class RegimePlacement:
         """
         if self._freq.estimate(key) >= min_count:
             return True
-        order = self._orders.get(tier)
-        if order is None:
+        if tier not in self._own:
             return False
-        cap = self._caps.get(tier)
-        if cap is not None and len(order) < cap:
+        if self._has_room(tier):
             return True
-        victim = order.peek()
+        victim = self._view.next_victim(tier)
         return victim is None or self._model.value(key) > self._model.value(victim)
 
     def make_order(self, tier: str) -> SegmentLRU | ClassedLRU:
@@ -530,7 +533,7 @@ class RegimePlacement:
             order = SegmentLRU(m.segment_stamp, m.weight, lambda: m.now)
         else:
             order = ClassedLRU(m.stamp, m.weight, lambda: m.now)
-        self._orders[self.tiers.index(tier)] = order
+        self._own.add(self.tiers.index(tier))
         return order
 
     def _drop(self) -> int | None:

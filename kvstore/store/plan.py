@@ -101,7 +101,7 @@ NO_SESSIONS = _NoSessions()
 
 
 class _Either(Generic[K]):
-    """``a or b`` as one Container (the protected set of a hit batch)."""
+    """``a or b`` as one Container."""
 
     __slots__ = ("a", "b")
 
@@ -110,6 +110,26 @@ class _Either(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self.b or key in self.a
+
+
+class Guard(Generic[K]):
+    """What eviction passes over while a plan is made: the keys with moves in
+    flight (``busy``), the plan's own (``extra``: a hit batch, a prefetch's
+    keep set), the caller's ``protected`` (pins, reads), and at the slowest
+    tier ``held`` (what live tasks hold). One object, cheapest test first:
+    an eviction walk asks it once per key it passes."""
+
+    __slots__ = ("busy", "extra", "protected", "held")
+
+    def __init__(self, busy: Container[K], extra: Container[K], protected: Container[K],
+                 held: Container[K] = frozenset()) -> None:
+        self.busy, self.extra, self.protected, self.held = busy, extra, protected, held
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.busy or key in self.extra or key in self.protected or key in self.held
+
+    def holding(self, held: Container[K]) -> Guard[K]:
+        return Guard(self.busy, self.extra, self.protected, held)
 
 
 def extra_copies(writes: Iterable[Move[K]]) -> int:

@@ -76,12 +76,12 @@ from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import Generic, cast
 
 from kvstore.errors import KVStoreError
-from kvstore.policies.base import PlacementPolicy, PrefetchesOnLookup, TakesSessionHints
+from kvstore.policies.base import PlacementPolicy, TierView
 from kvstore.store.accounts import Accounts
 from kvstore.store.beliefs import Beliefs
 
 # the vocabulary, re-exported: callers import it from here
-from kvstore.store.plan import NO_SESSIONS, Cause, K, Kind, Move, PutPlan, SessionHints, TierPlan, _Either
+from kvstore.store.plan import NO_SESSIONS, Cause, Guard, K, Kind, Move, PutPlan, SessionHints, TierPlan, _Either
 from kvstore.store.plan import extra_copies as extra_copies
 
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
@@ -90,23 +90,52 @@ _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ...
 class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
                  protected: Container[K] = frozenset(), sessions: SessionHints | None = None,
-                 durable: int | None = None) -> None:
+                 durable: int | None = None, block_nbytes: int = 0) -> None:
         """``durable``: a persistent tier every put also writes to, with no
         fall-through below it (the store's ``durable_tier``). ``sessions``:
-        see the module doc."""
+        see the module doc. ``block_nbytes``: the block size, where it is
+        known before the first put (each put sets it): what a tier's
+        capacity in blocks is counted in (:meth:`capacity_blocks`)."""
         if not tiers:
             raise KVStoreError("a planner needs at least one tier")
         if durable is not None and not (0 <= durable < len(tiers) and tiers[durable].persistent):
             raise KVStoreError(f"durable must name a persistent tier, got {durable!r}")
         self.tiers = list(tiers)
-        self.placement = placement
         self.protected = protected
         self.sessions: SessionHints = sessions if sessions is not None else NO_SESSIONS
         self.durable = durable
         self.beliefs: Beliefs[K] = Beliefs(self.tiers)
         self._moves: list[Move[K] | None] = []       # the plan being made (None: cancelled within it)
         self._fresh: dict[tuple[K, int], int] = {}   # (key, tier) -> its write or drop in the plan being made
-        self._guard: Container[K] = _Either(protected, self.beliefs.busy)   # never evicted while planning
+        self._guard: Guard[K] = Guard(self.beliefs.busy, frozenset(), protected)   # never evicted while planning
+        self.block_nbytes = block_nbytes
+        self.engine_tokens = 0     # the engines' own prefix caches above the tiers, in tokens (report_engine)
+        self.placement = placement
+
+    @property
+    def placement(self) -> PlacementPolicy:
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: PlacementPolicy) -> None:
+        """A placement asks this planner for capacities and counts (it is its :class:`TierView`)."""
+        self._placement = placement
+        placement.attach(cast(TierView, self))   # a Planner[K] answers for keys of its own type
+
+    # -- what a policy may ask (policies.base.TierView) -----------------------------
+    def capacity_blocks(self, tier: int) -> int | None:
+        """Blocks of the last put's size tier ``tier`` holds at most (None: unbudgeted, or no put yet)."""
+        plan = self.tiers[tier]
+        need = plan.footprint(self.block_nbytes) if self.block_nbytes else None
+        return None if plan.capacity is None or not need else plan.capacity // need
+
+    def blocks_in(self, tier: int) -> int:
+        """Blocks in tier ``tier`` or being written there."""
+        return len(self.tiers[tier].order)
+
+    def next_victim(self, tier: int) -> Hashable | None:
+        """The block tier ``tier``'s order would evict next (None: none, or an order that cannot tell)."""
+        return self.tiers[tier].order.peek()
 
     # -- beliefs (kvstore.store.beliefs) ------------------------------------------------
     @property
@@ -184,6 +213,7 @@ class Planner(Generic[K]):
         owner's quota first evicts the owner's own coldest blocks (never one
         of this batch); ``"no_room"`` when none can go."""
         plan: PutPlan[K] = PutPlan()
+        self.block_nbytes = nbytes
         last = len(self.tiers) - 1
         batch = frozenset(keys)
         self._begin()
@@ -217,17 +247,13 @@ class Planner(Generic[K]):
     def promotions_ahead(self, keys: Sequence[K], tiers: Sequence[int | None]) -> dict[int, list[K]]:
         """A request's stored prefix (``tiers``: where each block was found):
         which blocks to promote before their load, by target tier, as the
-        placement says (:class:`~kvstore.policies.base.PrefetchesOnLookup`;
-        none for a placement that is not one). The store issues them as
+        placement says (``prefetch_to``). The store issues them as
         prefetches; the replay applies them at once."""
-        placement = self.placement
         out: dict[int, list[K]] = {}
-        if not isinstance(placement, PrefetchesOnLookup):
-            return out
         for key, t in zip(keys, tiers):
             if t is None:
                 continue
-            to = placement.prefetch_to(t)
+            to = self.placement.prefetch_to(t)
             if to is not None and to < t:
                 out.setdefault(to, []).append(key)
         return out
@@ -245,10 +271,9 @@ class Planner(Generic[K]):
 
     def expect(self, keys: Sequence[K], now: float) -> None:
         """``keys`` are about to be read (a paused task is due back): the
-        placement hears it (:class:`~kvstore.policies.base.TakesSessionHints`)
-        and every tier's order files them as just used. No move."""
-        if isinstance(self.placement, TakesSessionHints):
-            self.placement.on_return(keys, now)
+        placement hears it (``on_return``) and every tier's order files them
+        as just used. No move."""
+        self.placement.on_return(keys, now)
         for key in keys:
             self.beliefs.touch(key, everywhere=True)
 
@@ -364,9 +389,7 @@ class Planner(Generic[K]):
     # -- internals -------------------------------------------------------------
     def _begin(self, guard: Container[K] = frozenset()) -> None:
         self._moves, self._fresh = [], {}
-        self._guard = _Either(self.protected, self.beliefs.busy)
-        if guard:
-            self._guard = _Either(self._guard, guard)
+        self._guard = Guard(self.beliefs.busy, guard, self.protected)
 
     def _issue(self) -> list[Move[K]]:
         """The plan made: every move is now with the caller (busy until reported)."""
@@ -401,7 +424,7 @@ class Planner(Generic[K]):
                 del self._fresh[(key, t)]
                 self._moves[i] = None   # evicted by this very plan and written back: neither happens
                 self.beliefs.undrop(key, t)
-                self.tiers[t].writes += 1
+                self.tiers[t].evictions -= 1
                 return t
             if need is None or not self._make_room(t, need):
                 continue
@@ -448,15 +471,13 @@ class Planner(Generic[K]):
 
     def _guard_at(self, t: int) -> Container[K]:
         """What eviction from tier ``t`` must pass over: the slowest tier keeps held blocks too."""
-        return _Either(self._guard, self.sessions) if t == len(self.tiers) - 1 else self._guard
+        return self._guard.holding(self.sessions) if t == len(self.tiers) - 1 else self._guard
 
     def _evict(self, key: K, t: int) -> None:
         """``key`` leaves tier ``t``: demote it first if the placement says
         so, or if a live task references it (to the next tier). A block this
         very plan writes to ``t`` never reaches it: its demotion takes that
         write's source (the caller's bytes, or the tier it was copied from)."""
-        plan = self.tiers[t]
-        plan.evictions += 1
         dest = self.placement.on_evict(key, t)
         if (dest is None or dest <= t) and self.sessions.referenced(key):
             dest = t + 1
@@ -466,8 +487,9 @@ class Planner(Generic[K]):
         if dest is not None and t < dest < len(self.tiers):
             self._place(key, dest, len(self.tiers) - 1, src=src, cause=Cause.DEMOTE)
         if fresh is not None:
-            self._undo_write(key, t)
+            self._undo_write(key, t)       # not an eviction: it never reached the tier
         else:
+            self.tiers[t].evictions += 1
             self._drop(key, t, Cause.EVICT)
 
     def _owner_room(self, owner: int, nbytes: int, batch: Container[K]) -> bool:
@@ -487,19 +509,20 @@ class Planner(Generic[K]):
             st = self.beliefs.keys[cast(K, victim)]
             for t, plan in enumerate(self.tiers):    # the block leaves the store
                 if st.counted >> t & 1:
-                    plan.evictions += 1
                     if st.writing >> t & 1:          # a write of this plan (an issued one is busy, never here)
                         self._undo_write(cast(K, victim), t)
                     else:
+                        plan.evictions += 1
                         self._drop(cast(K, victim), t, Cause.EVICT)
             if accounts.over_by(owner, nbytes) <= 0:
                 return True
         return False
 
     def _undo_write(self, key: K, t: int) -> None:
-        """A write of the plan being made never happens."""
+        """A write of the plan being made never happens (nor counts)."""
         self._moves[self._fresh.pop((key, t))] = None
         self.beliefs.unwrite(key, t)
+        self.tiers[t].writes -= 1
 
     def _drop(self, key: K, t: int, cause: Cause) -> None:
         self.beliefs.drop(key, t)

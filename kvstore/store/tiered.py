@@ -31,17 +31,19 @@ from kvstore.errors import ConfigError, InvalidBlock, KVStoreError
 from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
-from kvstore.policies.base import EvictionPolicy, KnowsCapacity, PlacementPolicy, PrefetchesOnLookup, check_followup
+from kvstore.policies.admission import AIMDAdmission
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
 from kvstore.sessions.journal import SessionJournal
-from kvstore.sessions.ledger import RETURN_LEAD_S
 from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
+from kvstore.store.driver import RequestDriver
 from kvstore.store.leases import Leases, Protected
 from kvstore.store.moves import Applied, Executor, Held
 from kvstore.store.planner import Planner, SessionHints, TierPlan, extra_copies
+from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
@@ -63,7 +65,9 @@ class TieredStore:
                  lower_eviction: Callable[[], EvictionPolicy] | None = None,
                  clock: Callable[[], float] = time.monotonic, max_prefetch: int = 4,
                  max_prefetch_blocks: int = 4096, flush_on_close: bool = True,
-                 durable_tier: int | None = None, sessions: SessionJournal | None = None) -> None:
+                 durable_tier: int | None = None, sessions: SessionJournal | None = None,
+                 admission: AIMDAdmission | None = None, worth_keeping: bool | Callable[[], bool] = True,
+                 block_bytes: int = 0) -> None:
         """``durable_tier``: the index of a tier whose writes are durable when
         they return (NVMe under ``durability="fsync"``). Every block a put
         stores is then written there too, and the put's outcome is that
@@ -73,7 +77,11 @@ class TieredStore:
         first tier; ``lower_eviction`` that of the others (default: the
         placement's own when it models reuse, else ``eviction``). ``sessions``:
         where agent task sessions are kept (a journal beside the NVMe
-        segments; default: in memory)."""
+        segments; default: in memory); ``admission``, ``worth_keeping``: see
+        :mod:`kvstore.store.driver` (default: every task gets a session, held while paused).
+        ``block_bytes``: the size of a block, where it is known at start (a
+        connector's layout): placements that size themselves by the tiers'
+        capacities in blocks know them before the first put."""
         if not tiers:
             raise KVStoreError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -96,7 +104,9 @@ class TieredStore:
         for n in names:
             self.stats.tier(n)
         self.planner = build_planner(self.tiers, placement or Cascade(names), eviction, lower_eviction,
-                                     protected=self.leases, sessions=self.sessions, durable=durable_tier)
+                                     protected=self.leases, sessions=self.sessions, durable=durable_tier,
+                                     block_nbytes=block_bytes)
+        self.driver = RequestDriver(self.planner, self.journal, admission=admission, worth_keeping=worth_keeping)
         self.executor = Executor(self.tiers, self.planner, self.stats, self._observe)
         for tier in self.tiers:  # tiers that evict by themselves (NVMe) keep pinned blocks too
             tier.honour_pins(self.protected.any_pinned)
@@ -111,17 +121,10 @@ class TieredStore:
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
         self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
-        self._block_bytes = 0                  # the last put's block size (_tell_capacities)
-        # blocks promoted ahead of a load -> (the tier, the prefetch doing it)
-        self._promoted: OrderedDict[BlockKey, tuple[int, asyncio.Task]] = OrderedDict()
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
-        self._prefetch_slots = asyncio.Semaphore(max_prefetch)
-        self._prefetch_budget = max_prefetch_blocks
-        self._prefetch_queued = 0
-        self._tasks: set[asyncio.Task] = set()
-        # per paused task: the prefetch of its blocks before its tool is back
-        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self.prefetcher = Prefetcher(self._prefetch_now, self.planner, self.driver, self.stats, clock,
+                                     max_prefetch=max_prefetch, max_prefetch_blocks=max_prefetch_blocks)
         self._flush_on_close = flush_on_close
 
     @property
@@ -171,58 +174,10 @@ class TieredStore:
             self.stats.probes += 1
         else:
             self._count_request(keys, prefix, reasons, followup)
-            self._promote_ahead(keys[:prefix], where[:prefix])
+            # a promotion ahead of the load (the regime policy: NVMe / Redis hits to DRAM), as a prefetch
+            self.prefetcher.promote_ahead(self.planner.promotions_ahead(keys[:prefix], where[:prefix]),
+                                          frozenset(keys[:prefix]))
         return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
-
-    def _promote_ahead(self, keys: list[BlockKey], where: list[int | None]) -> None:
-        """A request's stored prefix, where the placement says a promotion
-        pays (the regime policy: NVMe / Redis hits to DRAM in its DRAM and
-        SPILL regimes), is copied up before the engine loads it. Bounded and
-        cancellable like any prefetch (aprefetch); counted as issued, and
-        later as useful (read from where it went) or wasted."""
-        if not isinstance(self.planner.placement, PrefetchesOnLookup):
-            return
-        self._settle_promoted()
-        for to, ahead in self.planner.promotions_ahead(keys, where).items():
-            todo = [k for k in ahead if k not in self._promoted]
-            if not todo:
-                continue
-            if self._prefetch_queued + len(todo) > self._prefetch_budget:
-                continue                       # the prefetch queue is full: not issued
-            self.stats.prefetch_issued += len(todo)
-            task = self.aprefetch(todo, to, keep=frozenset(keys))
-            for key in todo:
-                self._promoted[key] = (to, task)
-
-    async def apromotions_landed(self) -> None:
-        """Wait for the promotions lookups issued (a replay's load then sees
-        them landed, as an engine's would after its scheduling gap)."""
-        pending = {task for _, task in self._promoted.values() if not task.done()}
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    def _settle_promoted(self, limit: int = 64) -> None:
-        """Count as wasted the oldest promoted blocks that left their tier
-        unread (a few per call: bounded work), and forget the oldest past
-        the memory's size."""
-        for _ in range(limit):
-            if not self._promoted:
-                return
-            key, (to, task) = next(iter(self._promoted.items()))
-            gone = task.done() and not self.planner.planned(key, to)
-            if not gone and len(self._promoted) <= _GONE_MEMORY:
-                return
-            del self._promoted[key]
-            self.stats.prefetch_wasted += 1
-
-    def _promoted_read(self, key: BlockKey, tier: int) -> None:
-        entry = self._promoted.pop(key, None)
-        if entry is None:
-            return
-        if tier <= entry[0]:
-            self.stats.prefetch_useful += 1
-        else:
-            self.stats.prefetch_wasted += 1   # read from below: the promotion had not landed, or went
 
     def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None],
                        followup: float | None) -> None:
@@ -258,8 +213,6 @@ class TieredStore:
         """
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
-        if spec.nbytes != self._block_bytes:
-            self._tell_capacities(spec.nbytes)
         plan = self.planner.put(keys, spec.nbytes, owner)
         waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
                  if st == "exists" and k in self._inflight}
@@ -386,7 +339,7 @@ class TieredStore:
                 todo = self._sort_outcomes(ti, keys, todo, outs, result, hit_tier, spec)
             hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
             for i, t in hits:
-                self._promoted_read(keys[i], t)
+                self.prefetcher.read(keys[i], t)
             moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
                                       since=since if self._epoch == start else None, owner=owner)
             await self._apply(moves, {keys[i]: Held(spec, views[i]) for i, _ in hits}, since=start)
@@ -443,26 +396,18 @@ class TieredStore:
             ti = int(to)
         if not 0 <= ti < len(self.tiers):
             raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
-        keys = [check_key(k) for k in keys]
-        task = asyncio.get_running_loop().create_task(self._prefetch(keys, ti, keep))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self.prefetcher.start([check_key(k) for k in keys], ti, keep)
 
-    async def _prefetch(self, keys: list[BlockKey], ti: int, keep: Container[BlockKey] = frozenset()) -> int:
-        if self._prefetch_queued + len(keys) > self._prefetch_budget:
-            return 0
-        self._prefetch_queued += len(keys)
-        try:
-            async with self._prefetch_slots:
-                self.stats.prefetches += 1
-                await self._adopt_unknown(keys, ti)
-                done = await self._apply(self.planner.prefetch(keys, ti, keep), {})
-                moved = sum(o is PutOutcome.STORED for (_, t), o in done.outcomes.items() if t == ti)
-                self.stats.prefetched_blocks += moved
-                return moved
-        finally:
-            self._prefetch_queued -= len(keys)
+    async def apromotions_landed(self) -> None:
+        """Wait for the promotions lookups issued (a replay's load then sees
+        them landed, as an engine's would after its scheduling gap)."""
+        await self.prefetcher.promotions_landed()
+
+    async def _prefetch_now(self, keys: list[BlockKey], ti: int, keep: Container[BlockKey]) -> int:
+        """One prefetch, inside the prefetcher's bounds: the blocks moved into tier ``ti``."""
+        await self._adopt_unknown(keys, ti)
+        done = await self._apply(self.planner.prefetch(keys, ti, keep), {})
+        return sum(o is PutOutcome.STORED for (_, t), o in done.outcomes.items() if t == ti)
 
     async def _adopt_unknown(self, keys: list[BlockKey], above: int) -> None:
         """Tell the planner of blocks below tier ``above`` that it does not
@@ -478,22 +423,6 @@ class TieredStore:
                     self.planner.adopt(key, t, head.raw_len, head.owner, since=since)
             todo = [k for k, h in zip(todo, heads) if h is None]
 
-    def _tell_capacities(self, block_bytes: int) -> None:
-        """A placement that sizes itself by tokens (the regime policy's
-        ``auto`` thresholds, its free-room rules) learns each tier's capacity
-        once a put shows how many bytes a block takes: capacity / block bytes
-        x the tokens it counts per key."""
-        self._block_bytes = block_bytes
-        placement = self.planner.placement
-        if not isinstance(placement, KnowsCapacity) or block_bytes <= 0:
-            return
-        for plan in self.planner.tiers:
-            need = plan.footprint(block_bytes)
-            if plan.capacity is None:
-                continue                       # unbounded here: no room to count
-            blocks = plan.capacity // need if need else 0
-            placement.set_capacity(plan.name, blocks * placement.tokens_per_key)
-
     def task_session(self, task_id: str, *, tenant: str = "default") -> TaskSession:
         """One agent task's session (see :mod:`kvstore.sessions`): while the
         task lives, the blocks it appended are never evicted, like pins.
@@ -501,40 +430,17 @@ class TieredStore:
         return TaskSession(lambda op, task, **args: self.session_call(op, tenant, task, args), task_id)
 
     def session_call(self, op: str, tenant: str, task: str, args: dict) -> int | bool | None:
-        """One session call for ``tenant`` (journalled first when the store
-        has a journal); a pause is timed by the store's clock, and the
-        task's blocks are prefetched back into the fastest tier
-        ``RETURN_LEAD_S`` before its tool is expected back (on this event
-        loop; none without one). Pressure meanwhile demotes them, never drops."""
-        if op == "pause":
-            args = {**args, "now": self.clock()}
-        out = self.journal.call(op, tenant, task, **args)
-        if op == "pause":
-            self._prefetch_on_return(tenant, task)
-        elif op in ("end", "join"):      # one timer per live task at most: a tenant cannot pile them up
-            for who in [w for w in self._timers if not self.sessions.has(*w)]:
-                self._timers.pop(who).cancel()
+        """One session call for ``tenant`` through the request driver
+        (:mod:`kvstore.store.driver`), timed by the store's clock."""
+        out = self.driver.session(op, tenant, task, args, self.clock())
+        self.prefetcher.arm()
         return out
 
-    def _prefetch_on_return(self, tenant: str, task_id: str) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return                       # no loop to time it on (a bare ledger call)
-        who = (tenant, task_id)
-        paused = self.sessions.task(*who)
-        at = paused.paused_at
-
-        def back() -> None:
-            self._timers.pop(who, None)
-            t = self.sessions.task(*who) if self.sessions.has(*who) else None
-            if t is not None and t.state == "paused" and t.paused_at == at:     # still in that pause
-                keys: list = list(dict.fromkeys(t.keys()))
-                self.planner.expect(keys, self.clock())
-                self.aprefetch(keys, 0)
-        if who in self._timers:
-            self._timers.pop(who).cancel()
-        self._timers[who] = loop.call_later(max(0.0, paused.tool_s - RETURN_LEAD_S), back)
+    def prefetch_returning(self) -> asyncio.Task:
+        """Prefetch the blocks of the paused tasks due back by now
+        (``driver.due``), one task after another: a Task of the blocks moved.
+        On the store's loop; its one timer calls it when the next task is due."""
+        return self.prefetcher.returning()
 
     def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:
@@ -549,8 +455,7 @@ class TieredStore:
         else:                        # an engine that is gone (or has no cache) counts for nothing
             self._engines.pop(str(engine)[:128], None)
         total = sum(self._engines.values())
-        if isinstance(self.planner.placement, KnowsCapacity):
-            self.planner.placement.set_capacity("hbm", total)
+        self.planner.engine_tokens = total
         return total
 
     def set_quota(self, owner: int, quota_bytes: int | None) -> None:
@@ -646,11 +551,7 @@ class TieredStore:
 
     async def aclose(self) -> None:
         """Cancel prefetches, flush volatile tiers (``flush_on_close``), close tiers."""
-        for timer in self._timers.values():
-            timer.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.prefetcher.close()
         if self._flush_on_close:
             await self.aflush()
         for tier in self.tiers:
@@ -673,14 +574,15 @@ def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
                   eviction: Callable[[], EvictionPolicy] = LRU,
                   lower_eviction: Callable[[], EvictionPolicy] | None = None, *,
                   protected: Container[BlockKey] = frozenset(), sessions: SessionHints | None = None,
-                  durable: int | None = None) -> Planner:
+                  durable: int | None = None, block_nbytes: int = 0) -> Planner:
     """The planner over real tiers: each tier's budget in bytes and the
     footprint of a block there, and the blocks they already hold."""
     orders = tier_orders(placement, [t.name for t in tiers], top=eviction, lower=lower_eviction)
     plans = [TierPlan(t.name, t.budget_bytes, order, footprint=t.footprint, persistent=t.persistent,
                       retry_when_full=not t.self_evicting)
              for t, order in zip(tiers, orders)]
-    planner = Planner(plans, placement, protected=protected, sessions=sessions, durable=durable)
+    planner = Planner(plans, placement, protected=protected, sessions=sessions, durable=durable,
+                      block_nbytes=block_nbytes)
     for ti, tier in enumerate(tiers):     # blocks a tier held before we started
         for key, owner, nbytes in tier.iter_owners():
             planner.adopt(key, ti, nbytes, owner)

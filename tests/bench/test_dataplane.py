@@ -18,11 +18,12 @@ from kvstore.bench.dataplane import (
     make_data_plane_factory,
     payload_bytes,
 )
-from kvstore.bench.replay import ReplayConfig, build_replay, load_requests, policy_setup, run_replay
+from kvstore.bench.replay import ReplayConfig, build_replay, load_requests, policy_setup, run_online, run_replay
 from kvstore.bench.trace import TraceRequest
 from kvstore.bench.workload import AgentWorkloadConfig
 from kvstore.errors import ConfigError
 from kvstore.outcomes import PutOutcome
+from kvstore.policies.admission import AIMDConfig
 
 WL = AgentWorkloadConfig(seed=3, working_set_tokens=200_000, duration_s=90, tenants=3)
 CFG = ReplayConfig(hbm_tokens=60_000, dram_tokens=150_000, nvme_tokens=400_000, block_tokens=64,
@@ -44,6 +45,7 @@ def _assert_clean(dp: dict) -> None:
     assert dp["first_divergence"] == -1 and dp["ok"] is True
 
 
+@pytest.mark.slow
 def test_replay_on_real_dram_and_nvme_tiers(reqs, tmp_path):
     assert len(reqs) > 200
     cfg = CFG                                   # all five policies; belady has no data plane
@@ -92,6 +94,7 @@ def _corrupting(tier, every: int):
 
 
 # a lost block shortens a later prefix (the store's lookup asks the tier): the planners part
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,field", [(_lossy, "diverged_requests"), (_corrupting, "wrong_blocks")])
 def test_a_tier_that_loses_or_corrupts_blocks_is_caught(reqs, tmp_path, fault, field):
     cfg = replace(CFG, policies=("lru",))
@@ -196,3 +199,26 @@ def test_redis_tier_leaves_nothing_behind(reqs, tmp_path, redis_url, redis_sessi
     fac = make_data_plane_factory(cfg, nvme_path=str(tmp_path), redis_url=redis_url, hbm="dram")
     run_replay(reqs[:250], cfg, data_plane_factory=fac)
     assert redis_session_server.command("DBSIZE") == b":0\r\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("admission", [False, True], ids=["sessions", "admission"])
+def test_session_rows_go_through_the_real_store_and_decide_as_the_planner_replay(reqs, tmp_path, monkeypatch,
+                                                                                 admission):
+    """Task sessions through the store's own session API on real DRAM and
+    NVMe tiers: every session call answers as the planner replay's, every
+    request hits alike, and the paused tasks' blocks come back through the
+    store's prefetch (with a tight admission, tasks are refused alike)."""
+    if admission:
+        monkeypatch.setattr("kvstore.bench.replay.SESSION_ADMISSION", AIMDConfig(initial=3, window=8))
+    cfg = replace(CFG, policies=("lru",), hbm_tokens=8_000, dram_tokens=16_000, nvme_tokens=400_000)
+    fac = make_data_plane_factory(cfg, nvme_path=str(tmp_path), hbm="dram")
+    cost = make_cost_model()
+    run = run_online("lru", reqs[:500], cfg, cost, data_plane_factory=fac, sessions=True, admission=admission)
+    _assert_clean(run.data_plane)
+    assert run.data_plane["diverged_sessions"] == 0
+    plan = run_online("lru", reqs[:500], cfg, cost, sessions=True, admission=admission)
+    assert run.hits == plan.hits and run.sessions == plan.sessions
+    assert run.sessions is not None and run.sessions["prefetched_blocks"] > 0 and run.sessions["refused"] == 0
+    if admission:
+        assert run.sessions["admission"]["rejected"] > 0

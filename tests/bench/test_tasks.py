@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.bench.costmodel import make_cost_model
-from kvstore.bench.replay import ReplayConfig, run_online, run_replay
+from kvstore.bench.replay import ReplayConfig, build_replay, run_online, run_replay
 from kvstore.bench.trace import TraceRequest
 from kvstore.bench.workload import AgentWorkloadConfig, generate
 from kvstore.errors import ConfigError
@@ -65,25 +65,28 @@ def test_every_task_of_a_generated_workload_ends_holding_nothing():
 
 
 def test_a_task_admission_refuses_gets_no_session_and_asks_again_at_its_next_call():
-    from kvstore.bench.replay import build_replay
+    from kvstore.bench.simulate import PlanReplay
     from kvstore.bench.tasks import TaskReplay
     cfg = ReplayConfig(hbm_tokens=4 * BT, dram_tokens=4 * BT, block_tokens=BT)
-    replay = build_replay("lru", cfg, COST)
-    tasks = TaskReplay(replay.planner, AIMDAdmission(AIMDConfig(initial=1, window=1, target=0.5)))
+    planner = build_replay("lru", cfg, COST).planner
+    replay = PlanReplay(planner, admission=AIMDAdmission(AIMDConfig(initial=1, window=1, target=0.5)))
+    tasks, ledger = TaskReplay(replay), replay.driver.ledger
     a, b = call(0.0, [1, 2], "A", tool_s=5.0), call(0.1, [7, 8], "B", tool_s=5.0)
     for req in (a, b):
         tasks.before(req, req.timestamp_ms / 1000)
         replay.step(req.hash_ids, req.timestamp_ms / 1000)
         tasks.after(req, req.hash_ids, 0)
-    assert 1 in tasks.ledger and 7 not in tasks.ledger          # only A was admitted
-    assert tasks.stats()["admission"]["rejected"] == 1
+    assert 1 in ledger and 7 not in ledger                      # only A was admitted
+    assert tasks.stats()["admission"]["rejected"] == 1 and tasks.stats()["refused"] == 0
+    assert replay.session("append", "default", "B", {"step": "x", "keys": [7]}, 0.15) is False   # a no-op
     tasks.after(call(0.2, [1, 2], "A", end=True), [1, 2], 2)    # A ends: its slot is free
     again = call(0.3, [7, 8, 9], "B", tool_s=5.0)
     tasks.before(again, 0.3)
     tasks.after(again, again.hash_ids, 2)
-    assert 9 in tasks.ledger
+    assert 9 in ledger
 
 
+@pytest.mark.slow
 def test_the_report_puts_sessions_side_by_side_with_the_figures_the_goals_judge():
     reqs = generate(AgentWorkloadConfig(working_set_tokens=80_000, duration_s=30))
     cfg = ReplayConfig(hbm_tokens=20_000, dram_tokens=20_000, nvme_tokens=100_000, block_tokens=64,

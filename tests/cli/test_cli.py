@@ -193,6 +193,7 @@ def test_check_fix_mends_an_unreadable_region_for_good(tmp_path):
     assert "live blocks 4" in after.stdout and "problem" not in after.stdout
 
 
+@pytest.mark.slow
 def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
     out, plots = tmp_path / "replay.json", tmp_path / "plots"
     r = kvstore("bench", "replay", "--workload", "agent", "--duration", "40", "--json", str(out),
@@ -209,7 +210,7 @@ def test_bench_replay_with_data_plane_writes_json_and_plots(tmp_path):
     assert "regime" in r.stdout
 
 
-def test_bench_replay_runs_sessions_side_by_side_the_session_rows_on_the_planner(tmp_path):
+def test_bench_replay_runs_sessions_side_by_side_every_row_through_the_data_plane(tmp_path):
     out = tmp_path / "replay.json"
     r = kvstore("bench", "replay", "--workload", "agent", "--duration", "30", "--working-set", "60K",
                 "--policy", "lru,regime,belady", "--sessions", "both", "--admission", "on",
@@ -220,9 +221,9 @@ def test_bench_replay_runs_sessions_side_by_side_the_session_rows_on_the_planner
     for name, p in res["policies"].items():
         assert p["ttft_after_tool_p99_s"] > 0 and 0 < p["cache_creation_share"] <= 1, name
         if "+sessions" in name:
-            assert "data_plane" not in p and p["sessions"]["admission"]["limit"] >= 1
-        elif name != "belady":
-            assert p["data_plane"]["ok"]
+            assert p["sessions"]["admission"]["limit"] >= 1
+        if name != "belady":            # session rows too: the real store, checked against the planner
+            assert p["data_plane"]["ok"] and p["data_plane"]["verified_blocks"] > 0, name
     assert "after tool p99" in r.stdout
     bad = kvstore("bench", "replay", "--workload", "agent", "--admission", "on", check=False)
     assert bad.returncode != 0 and "sessions" in bad.stderr and "Traceback" not in bad.stderr
@@ -236,6 +237,7 @@ def test_bench_replay_bad_trace_line_names_the_line(tmp_path):
     assert r.returncode == 2 and ":2" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_sweep_reports_every_band(tmp_path):
     out = tmp_path / "sweep.json"
     kvstore("bench", "sweep", "--duration", "30", "--json", str(out))

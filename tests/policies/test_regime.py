@@ -10,6 +10,33 @@ from kvstore.policies.regime import FrequencyFilter, Regime, RegimeConfig, Regim
 TIERS = ["hbm", "dram", "nvme", "redis"]
 
 
+class View:
+    """What the planner answers a placement (policies.base.TierView), over
+    capacities in blocks by tier name, the engines' tokens, and the orders
+    this policy made (``order``), standing for the planner's tiers."""
+
+    def __init__(self, p: RegimePlacement, caps: dict, engine_tokens: int = 0) -> None:
+        self.p, self.caps, self.engine_tokens, self.orders = p, caps, engine_tokens, {}
+        p.attach(self)
+
+    def order(self, name: str):
+        self.orders[self.p.tiers.index(name)] = order = self.p.make_order(name)
+        return order
+
+    def capacity_blocks(self, tier):
+        return self.caps.get(self.p.tiers[tier])
+
+    def blocks_in(self, tier):
+        return len(self.orders.get(tier, ()))
+
+    def next_victim(self, tier):
+        order = self.orders.get(tier)
+        return order.peek() if order is not None else None
+
+    def planned(self, key, tier):
+        return key in self.orders.get(tier, ())
+
+
 def make(**kw):
     cfg = RegimeConfig(thresholds=(100, 250, 500), tokens_per_key=1, window_s=10, **kw)
     return RegimePlacement(TIERS, cfg, clock=lambda: 0.0)
@@ -66,8 +93,9 @@ def test_decisions_per_regime():
 
 def test_auto_mode_uses_capacities_and_costs():
     cfg = RegimeConfig(mode="auto", tokens_per_key=1)
-    p = RegimePlacement(TIERS, cfg, capacities={"hbm": 1000, "dram": 4000},
-                        load_beats_recompute=lambda t: t != "redis", clock=lambda: 0.0)
+    p = RegimePlacement(TIERS, cfg, load_beats_recompute=lambda t: t != "redis", clock=lambda: 0.0)
+    View(p, {"hbm": 1000, "dram": 4000})
+    p.on_request(["x"], 0.0)                          # the planner's capacities, read at each request
     assert p.thresholds == auto_thresholds({"hbm": 1000, "dram": 4000}) == (1000, 3000, 5000)
     p.regime = Regime.SPILL
     for _ in range(3):
@@ -110,10 +138,12 @@ def test_without_an_hbm_tier_the_regime_decides_which_engine_saves_to_keep():
 
 
 def test_an_engine_reported_hbm_capacity_moves_auto_thresholds():
-    p = RegimePlacement(["dram", "nvme"], RegimeConfig(mode="auto", tokens_per_key=1),
-                        capacities={"dram": 4000}, clock=lambda: 0.0)
+    p = RegimePlacement(["dram", "nvme"], RegimeConfig(mode="auto", tokens_per_key=1), clock=lambda: 0.0)
+    view = View(p, {"dram": 4000})
+    p.on_request(["x"], 0.0)
     assert p.thresholds == auto_thresholds({"dram": 4000})
-    p.set_capacity("hbm", 1000)
+    view.engine_tokens = 1000                         # the engines' caches, reported to the planner
+    p.on_request(["x"], 1.0)
     assert p.thresholds == (1000, 3000, 5000)
 
 
@@ -149,9 +179,9 @@ def test_spill_filter_compares_with_the_nvme_victim():
     when worth more than the block it displaces."""
     cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0,
                        order="classed")
-    p = RegimePlacement(TIERS[:3], cfg, capacities={"hbm": 1, "dram": 1, "nvme": 2},
-                        clock=lambda: 0.0)
-    nvme = p.make_order("nvme")
+    p = RegimePlacement(TIERS[:3], cfg, clock=lambda: 0.0)
+    p_view = View(p, {"hbm": 1, "dram": 1, "nvme": 2})
+    nvme = p_view.order("nvme")
     assert isinstance(nvme, ClassedLRU) and p.stats()["class_rates"]
     p.on_request([10, 11, 12, 13], 0.0)
     assert p.regime is Regime.SPILL
@@ -174,10 +204,10 @@ def _model_ordered_decisions(reqs):
     from kvstore.store.planner import Planner, TierPlan
     caps = {"hbm": 8, "dram": 16, "nvme": 32}
     cfg = RegimeConfig(thresholds=(4, 8, 16), tokens_per_key=1, window_s=1000)
-    p = RegimePlacement(list(caps), cfg, capacities=caps, clock=lambda: 0.0)
+    p = RegimePlacement(list(caps), cfg, clock=lambda: 0.0)
     orders = tier_orders(p, list(caps))                 # HBM LRU, the model's order below
     sim = PlanReplay(Planner([TierPlan(n, c, o, footprint=lambda nb: 1) for (n, c), o in zip(caps.items(), orders)],
-                             p), record_events=True)
+                             p, block_nbytes=1), record_events=True)
     return [(tuple(r.hit_tiers), tuple(r.events))
             for r in (sim.step(keys, float(t)) for t, keys in enumerate(reqs))]
 
@@ -227,17 +257,17 @@ def test_reuse_soon_follows_class_rate_and_gap():
 
 def test_exclusive_write_back_skips_blocks_l3_still_holds():
     cfg = RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1, window_s=1000, hysteresis=0.0)
-    p = RegimePlacement(TIERS[:3], cfg, capacities={"hbm": 1, "dram": 1, "nvme": 4},
-                        clock=lambda: 0.0)
-    nvme = p.make_order("nvme")
+    p = RegimePlacement(TIERS[:3], cfg, clock=lambda: 0.0)
+    p_view = View(p, {"hbm": 1, "dram": 1, "nvme": 4})
+    nvme = p_view.order("nvme")
     p.on_request([10, 11, 12, 13], 0.0)
     assert p.regime is Regime.SPILL
     nvme.insert(11)
     assert p.on_evict(11, 0) is None and p.on_evict(12, 0) == 1
     q = RegimePlacement(TIERS[:3], RegimeConfig(thresholds=(1, 2, 3), tokens_per_key=1,
                                                 window_s=1000, hysteresis=0.0, exclusive=False),
-                        capacities={"hbm": 1, "dram": 1, "nvme": 4}, clock=lambda: 0.0)
-    q.make_order("nvme").insert(11)
+                        clock=lambda: 0.0)
+    View(q, {"hbm": 1, "dram": 1, "nvme": 4}).order("nvme").insert(11)
     q.on_request([10, 11, 12, 13], 0.0)
     assert q.on_evict(11, 0) == 1
 
@@ -284,8 +314,9 @@ def test_watch_writes_back_without_reuse_evidence_while_dram_has_room():
     """A write-back that displaces nothing costs only its bandwidth: WATCH
     asks for reuse evidence only once DRAM is full."""
     cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0)
-    p = RegimePlacement(TIERS[:2], cfg, capacities={"hbm": 10, "dram": 2}, clock=lambda: 0.0)
-    dram = p.make_order("dram")
+    p = RegimePlacement(TIERS[:2], cfg, clock=lambda: 0.0)
+    p_view = View(p, {"hbm": 10, "dram": 2})
+    dram = p_view.order("dram")
     p.on_request([f"w{i}" for i in range(15)], 0.0)
     assert p.regime == Regime.WATCH
     assert p.on_evict("fresh1", 0) == 1                 # seen never, but DRAM is empty
@@ -302,8 +333,9 @@ def test_watch_writes_back_a_block_worth_more_than_the_one_it_displaces():
     the reuse model values the block above DRAM's next victim."""
     clock = [0.0]
     cfg = RegimeConfig(thresholds=(10, 20, 30), tokens_per_key=1, hysteresis=0.0, window_s=1000.0)
-    p = RegimePlacement(TIERS[:2], cfg, capacities={"hbm": 10, "dram": 2}, clock=lambda: clock[0])
-    dram = p.make_order("dram")
+    p = RegimePlacement(TIERS[:2], cfg, clock=lambda: clock[0])
+    p_view = View(p, {"hbm": 10, "dram": 2})
+    dram = p_view.order("dram")
     p.on_request(["old1", "old2"] + [f"w{i}" for i in range(13)], 0.0)
     dram.insert("old1")
     dram.insert("old2")                                  # DRAM full of blocks last used at t=0
@@ -314,9 +346,7 @@ def test_watch_writes_back_a_block_worth_more_than_the_one_it_displaces():
 
 
 def test_a_tasks_blocks_due_back_rank_as_just_used_without_counting_a_request():
-    from kvstore.policies.base import TakesSessionHints
     p = make()
-    assert isinstance(p, TakesSessionHints)
     p.on_request(["a1", "a2"], 0.0)
     p.on_request(["b1", "b2"], 10.0)
     model = p._model

@@ -7,6 +7,10 @@ NVMe segment files, a real redis-server; the store driven through its public
 bench replay``'s planner alone, keyed by the same block keys. Per request,
 the hits per tier are identical, and so are the evictions per tier, for every
 online policy. Capacities are small, so every tier evicts.
+
+The agent generator's rows with task sessions, and with AIMD admission to
+them, too: the store's own session API and request driver (its admission,
+its ``worth_keeping``, its return prefetches) against the planner replay's.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from kvstore.bench.costmodel import make_cost_model
 from kvstore.bench.dataplane import DataPlaneConfig, KeyMap, make_data_plane_factory
 from kvstore.bench.replay import ReplayConfig, load_requests, run_online
 from kvstore.bench.workload import AgentWorkloadConfig
+from kvstore.policies.admission import AIMDConfig
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 POLICIES = ("hbm-only", "always-offload", "lru", "s3fifo", "regime", "regime-oracle")
@@ -77,4 +82,42 @@ def test_store_on_real_tiers_and_replay_make_the_same_decisions(sequence, tmp_pa
         if policy in ("lru", "regime"):       # every tier of the cascade evicted
             assert all(evicted[n] > 0 for n in ("hbm", "dram", "nvme", "redis")), (policy, evicted)
         assert sum(map(sum, store.hits)) > 0 and dp["verified_blocks"] == sum(map(sum, store.hits))
+    assert redis_session_server.command("DBSIZE") == b":0\r\n"
+
+
+def _same(store, plan, policy) -> None:
+    first = next((i for i, (a, b) in enumerate(zip(store.hits, plan.hits)) if a != b), None)
+    assert first is None, f"{policy}: request {first} hits {store.hits[first]} != {plan.hits[first]}"
+    dp = store.data_plane
+    assert dp is not None and dp["ok"], (policy, dp)
+    assert dp["evictions"] == {n: v["evictions"] for n, v in plan.tier_io.items()}, policy
+    assert store.writethrough == plan.writethrough, policy
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.parametrize("admission", [False, True], ids=["sessions", "admission"])
+def test_session_and_admission_rows_make_the_same_decisions_on_real_tiers(admission, tmp_path, monkeypatch,
+                                                                          redis_url, redis_session_server):
+    """Every online policy that gets sessions (hbm-only does not), on the
+    agent generator: identical hits per request and evictions per tier, the
+    same session answers, and the sessions doing something (blocks held and
+    prefetched back; with a tight admission, tasks refused)."""
+    if admission:     # tight, so that tasks are refused and the limit moves
+        monkeypatch.setattr("kvstore.bench.replay.SESSION_ADMISSION", AIMDConfig(initial=4, window=8))
+    requests, cfg = _sequences()["agent"]
+    requests = requests[:400]          # its first tasks: held contexts outgrow the tiers, admission moves
+    cost = make_cost_model("llama3-70b")
+    keyed = _keyed(requests, cfg)
+    for policy in POLICIES[1:]:
+        fac = make_data_plane_factory(cfg, nvme_path=str(tmp_path), redis_url=redis_url, hbm="dram")
+        store = run_online(policy, requests, cfg, cost, data_plane_factory=fac, sessions=True, admission=admission)
+        plan = run_online(policy, keyed, cfg, cost, sessions=True, admission=admission)
+        _same(store, plan, policy)
+        assert store.sessions == plan.sessions, policy
+        s = plan.sessions
+        assert s is not None and s["refused"] == 0, (policy, s)
+        assert s["prefetched_blocks"] > 0 or policy == "always-offload", (policy, s)   # nothing below its DRAM
+        if admission:
+            assert s["admission"]["rejected"] > 0, (policy, s)
     assert redis_session_server.command("DBSIZE") == b":0\r\n"

@@ -466,17 +466,17 @@ def test_a_lookup_promotes_its_prefix_ahead_of_the_load_when_the_regime_says_it_
         assert len(on_nvme) >= 4, "DRAM holds 4: the rest spilled to NVMe"
         res = await store.alookup(on_nvme[:2])
         assert res.tiers == ["nvme", "nvme"] and store.stats.prefetch_issued == 2
-        await asyncio.gather(*store._tasks)                  # the promotion lands before the load
+        await store.apromotions_landed()                  # the promotion lands before the load
         assert [store.planner.locate(k) for k in on_nvme[:2]] == [0, 0]
         dsts = [np.empty(bb, np.uint8) for _ in range(2)]
         assert await store.aget_into(ID, on_nvme[:2], dsts) == [None, None]
         assert store.stats.prefetch_useful == 2 and store.stats.prefetch_wasted == 0
         # a promotion the store evicts again before the engine reads it is wasted
         res = await store.alookup(on_nvme[2:4])
-        await asyncio.gather(*store._tasks)
+        await store.apromotions_landed()
         others = [k for k in keys if k not in on_nvme[:4]]
         await store.alookup(others)                         # promotes these, evicting the last ones
-        await asyncio.gather(*store._tasks)
+        await store.apromotions_landed()
         await store.aget_into(ID, on_nvme[2:4], [np.empty(bb, np.uint8) for _ in range(2)])
         snap = store.snapshot()
         assert snap["prefetch_issued"] >= 4 and snap["prefetch_useful"] + snap["prefetch_wasted"] <= \
@@ -496,7 +496,7 @@ def test_no_promotion_ahead_of_a_load_in_the_low_regimes_or_under_lru(tmp_path):
         keys = block_keys(ID, range(16 * 8))
         await store.aput(ID, keys, [np.full(bb, i, np.uint8) for i in range(8)])
         await store.alookup(keys)
-        assert store.stats.prefetch_issued == 0 and not store._tasks
+        assert store.stats.prefetch_issued == 0 and not store.prefetcher._tasks
         await store.aclose()
     asyncio.run(main())
 
@@ -513,8 +513,18 @@ def test_auto_thresholds_learn_the_tiers_in_tokens_from_the_first_put(tmp_path):
         placement = RegimePlacement(["dram"], RegimeConfig(mode="auto", tokens_per_key=16))
         store = TieredStore([dram], placement=placement)
         store.report_engine(64)                              # the engine's cache: 64 tokens
+        await store.alookup(KEYS[:1])
+        assert placement.thresholds == (64, 64, 64)         # no block size yet: DRAM's room unknown
         await store.aput(ID, KEYS[:1], [block(0)])
+        await store.alookup(KEYS[:1])                       # the policy asks the planner at each request
         assert placement.thresholds == (64, 64 + 4 * 16, 64 + 8 * 16)
         assert placement.stats()["thresholds"][2] == 64 + 8 * 16
+        await store.aclose()
+        # a block size known at start (a connector's layout): known before the first put
+        placement = RegimePlacement(["dram"], RegimeConfig(mode="auto", tokens_per_key=16))
+        store = TieredStore([DramTier(DramConfig(capacity_bytes=8 * bb, page_bytes=8 * bb, pinned="no"))],
+                            placement=placement, block_bytes=bb)
+        await store.alookup(KEYS[:1])
+        assert placement.thresholds == (1, 1 + 4 * 16, 1 + 8 * 16)
         await store.aclose()
     asyncio.run(main())
