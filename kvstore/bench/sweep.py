@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
-from kvstore.bench.replay import ReplayConfig, format_tiers, run_belady, run_online, ttfts, write_json
+from kvstore.bench.replay import ReplayConfig, run_belady, run_online, ttfts, write_json
+from kvstore.bench.replay_table import format_tiers
 from kvstore.bench.workload import AgentWorkloadConfig, generate
 
 BANDS = (("<100K", 50_000), ("100K-250K", 175_000), ("250K-500K", 375_000), (">500K", 1_000_000))

@@ -8,7 +8,7 @@ import sys
 import click
 
 from kvstore import settings
-from kvstore.bench.replay import REPLAY_COLUMNS
+from kvstore.bench.replay_table import REPLAY_COLUMNS
 from kvstore.bench.scorecard import SCORE_COLUMNS
 from kvstore.cli.common import (
     THRESHOLDS,
@@ -215,14 +215,8 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
            nvme_path, redis_url, json_path, plots_dir, wide, working_set, seed, duration, tenants, families,
            fork_prob, block_tokens, model, gpu_tflops) -> None:
     from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
-    from kvstore.bench.replay import (  # noqa: PLC0415
-        POLICY_NAMES,
-        ReplayConfig,
-        load_requests,
-        render_table,
-        run_replay,
-        session_goal_lines,
-    )
+    from kvstore.bench.replay import POLICY_NAMES, ReplayConfig, load_requests, run_replay  # noqa: PLC0415
+    from kvstore.bench.replay_table import render_table, session_goal_lines  # noqa: PLC0415
 
     bt = trace_block_tokens if trace else block_tokens
     policies = comma_list(ctx, "policy", policy, POLICY_NAMES)

@@ -12,10 +12,10 @@ from kvstore.bench.replay import (
     build_replay,
     load_requests,
     oracle_followups,
-    render_table,
     run_replay,
     storable,
 )
+from kvstore.bench.replay_table import render_table
 from kvstore.bench.sweep import render_table as sweep_table
 from kvstore.bench.sweep import run_sweep
 from kvstore.bench.trace import TraceRequest

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from kvstore.bench.replay import REPLAY_COLUMNS, ReplayConfig, load_requests, render_table, run_replay
+from kvstore.bench.replay import ReplayConfig, load_requests, run_replay
+from kvstore.bench.replay_table import REPLAY_COLUMNS, render_table
 from kvstore.bench.scorecard import default_cases, run_scorecard
 from kvstore.bench.scorecard import render_table as score_table
 from kvstore.bench.sweep import goal_lines, run_sweep
