@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from kvstore.policies.admission import AIMDAdmission
 from kvstore.store.driver import RequestDriver
-from kvstore.store.moves import net_effect
 from kvstore.store.planner import Cause, Kind, Move, Planner, extra_copies
 
 
@@ -79,7 +78,7 @@ class PlanReplay:
         self._run(d.load(keys[:len(hits)], [t if t is not None else h for t, h in zip(now_at, hits)]), res)
         limit = len(keys) if storable is None else min(storable, len(keys))
         moves = d.save(keys[len(hits):limit], 1).moves
-        res.writethrough_blocks = extra_copies(net_effect(moves)[1])   # what the store writes
+        res.writethrough_blocks = extra_copies(moves)   # a plan is its net effect: what the store writes
         self._run(moves, res)
         return res
 

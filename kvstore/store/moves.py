@@ -43,7 +43,7 @@ from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import BlockSpec
 from kvstore.stats import StoreStats
-from kvstore.store.planner import Cause, K, Kind, Move, Planner
+from kvstore.store.planner import Cause, Kind, Move, Planner
 from kvstore.tiers.base import Tier
 
 # a refusal falls down a tier or retries with twice the evictions (planner._RETRIES times at most)
@@ -229,16 +229,3 @@ class Executor:
             counters.demotions_in += 1
         elif m.cause in (Cause.PROMOTE, Cause.PREFETCH):
             counters.promotions_in += 1
-
-
-def net_effect(moves: Sequence[Move[K]]) -> tuple[list[tuple[K, int]], list[Move[K]]]:
-    """(deletes, writes) a plan amounts to, per (key, tier): a drop of what
-    was there and is not put back; the last write of what was not there."""
-    first: dict[tuple[K, int], Kind] = {}
-    last: dict[tuple[K, int], Move[K]] = {}
-    for m in moves:
-        first.setdefault((m.key, m.tier), m.kind)
-        last[(m.key, m.tier)] = m
-    deletes = [kt for kt, kind in first.items() if kind is Kind.DROP and last[kt].kind is Kind.DROP]
-    writes = [m for kt, m in last.items() if m.kind is not Kind.DROP and first[kt] is not Kind.DROP]
-    return deletes, writes
