@@ -190,7 +190,7 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policies, sessions,
               help="Agent task sessions from the trace's task_id / parent_task_id / tool_s / end fields: "
                    "a live task's blocks are demoted, never dropped, and prefetched back before it "
                    "resumes. both: every online policy with (NAME+sessions) and without, side by side. "
-                   "Session rows replay on the planner alone.")
+                   "Session rows go through the data plane too (the store's own request driver).")
 @click.option("--admission", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="AIMD admission of tasks to sessions (needs --sessions on or both): "
                    "NAME+sessions+admission rows.")

@@ -60,6 +60,8 @@ blocks (:meth:`Planner.expect`), and each gets a :class:`Prefetch` of its
 blocks below ``return_tier`` into it, all with one keep set (the blocks of
 every task due: none evicts another's). :meth:`RequestDriver.next_due` is
 when the next one is due: the store arms one timer for it, not one per task.
+A task paused before a restart (replayed from the journal) is not scheduled:
+its pause was timed by another boot's clock.
 
 An ``append`` with ``new_only`` holds only what the task does not hold yet
 (a call re-sends its whole context; the new blocks are the step's), so a

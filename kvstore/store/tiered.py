@@ -173,20 +173,19 @@ class TieredStore:
         if probe:
             self.stats.probes += 1
         else:
-            self._count_request(keys, prefix, reasons, followup)
-            # a promotion ahead of the load (the regime policy: NVMe / Redis hits to DRAM), as a prefetch
-            self.prefetcher.promote_ahead(self.planner.promotions_ahead(keys[:prefix], where[:prefix]),
+            self._count_request(keys, prefix, reasons)
+            # the planner hears of the request; a promotion ahead of the load (the
+            # regime policy: NVMe / Redis hits to DRAM) is issued as a prefetch
+            self.prefetcher.promote_ahead(self.driver.lookup(keys, where, self.clock(), followup),
                                           frozenset(keys[:prefix]))
         return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
 
-    def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None],
-                       followup: float | None) -> None:
+    def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None]) -> None:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
         self.stats.lookup_hit_blocks += prefix
         if prefix < len(keys):
             self.stats.lookup_misses[reasons[prefix]] += 1
-        self.planner.request(keys, self.clock(), followup)
 
     def _reason(self, key: BlockKey) -> MissReason:
         return self._gone.get(key, MissReason.NEVER_STORED)
@@ -213,7 +212,7 @@ class TieredStore:
         """
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
-        plan = self.planner.put(keys, spec.nbytes, owner)
+        plan = self.driver.save(keys, spec.nbytes, owner)
         waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
                  if st == "exists" and k in self._inflight}
         mine = [k for k, st in zip(keys, plan.status) if st == "planned"]
@@ -340,7 +339,7 @@ class TieredStore:
             hits = [(i, t) for i, t in enumerate(hit_tier) if t is not None]
             for i, t in hits:
                 self.prefetcher.read(keys[i], t)
-            moves = self.planner.hits([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
+            moves = self.driver.load([keys[i] for i, _ in hits], [t for _, t in hits], spec.nbytes,
                                       since=since if self._epoch == start else None, owner=owner)
             await self._apply(moves, {keys[i]: Held(spec, views[i]) for i, _ in hits}, since=start)
         for i, r in enumerate(result):
