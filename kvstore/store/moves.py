@@ -91,19 +91,23 @@ class Executor:
         done = Applied()
         gone: set[BlockKey] = set()
         open_: dict[int, Move[BlockKey]] = {id(m): m for m in moves}
+        sent: set[int] = set()           # drops handed to a tier (a cancelled one may have happened)
         try:
             for _ in range(_ROUNDS):
                 if not moves:
                     break
-                moves = await self._round(moves, have, fenced, done, gone, open_)
+                moves = await self._round(moves, have, fenced, done, gone, open_, sent)
                 open_.update((id(m), m) for m in moves)
         finally:
-            self.planner.abandon(open_.values())
+            left = list(open_.values())
+            self.planner.kept([m for m in left if m.kind is Kind.DROP and id(m) not in sent])
+            self.planner.abandon([m for m in left if m.kind is not Kind.DROP or id(m) in sent])
         done.left = [k for k in gone if not self.planner.held_anywhere(k)]
         return done
 
     async def _round(self, moves: list[Move[BlockKey]], have: dict[BlockKey, Held], fenced: Callable[[bytes], bool],
-                     done: Applied, gone: set[BlockKey], open_: dict[int, Move[BlockKey]]) -> list[Move[BlockKey]]:
+                     done: Applied, gone: set[BlockKey], open_: dict[int, Move[BlockKey]],
+                     sent: set[int]) -> list[Move[BlockKey]]:
         def cancel(m: Move[BlockKey]) -> None:
             self.planner.cancel(m)
             open_.pop(id(m), None)
@@ -117,9 +121,12 @@ class Executor:
                 cancel(m)
             else:
                 kept.append(m)
-        await self._delete(drops, gone, open_)
+        await self._delete(drops, gone, open_, sent)
         landed, refused = await self._write(kept, have, done, gone, open_)
-        follow = [n for m, full in refused for n in self.planner.refused(m, full=full)]
+        follow = []
+        for m, full in refused:       # reported here, so a cancellation before it still abandons them
+            open_.pop(id(m), None)
+            follow += self.planner.refused(m, full=full)
         for m in landed:      # landed in a namespace invalidated meanwhile: deleted again
             if fenced(have[m.key].spec.namespace):
                 follow += self.planner.discard(m.key, [m.tier])
@@ -139,9 +146,11 @@ class Executor:
             by_src.setdefault(src, []).append(key)
         for src, keys in by_src.items():
             await self._read_from(src, keys, have)
-        for key, src in source.items():
-            if key not in have:
-                self.planner.lost(key, src)
+            missing = [k for k in keys if k not in have]
+            if missing:     # gone from its source, unless the tier cannot tell (down): then only not copied
+                for key, held in zip(missing, await self.tiers[src].contains_many(missing)):
+                    if held is False:
+                        self.planner.lost(key, src)
         kept = []
         for m in writes:
             if m.key in have:
@@ -167,13 +176,14 @@ class Executor:
                     have[key] = Held(spec, buf)
 
     async def _delete(self, drops: list[Move[BlockKey]], gone: set[BlockKey],
-                      open_: dict[int, Move[BlockKey]]) -> None:
+                      open_: dict[int, Move[BlockKey]], sent: set[int]) -> None:
         by_tier: dict[int, list[Move[BlockKey]]] = {}
         for m in drops:
             by_tier.setdefault(m.tier, []).append(m)
         for t, group in by_tier.items():
             tier = self.tiers[t]
             t0 = time.perf_counter()
+            sent.update(id(m) for m in group)
             await tier.delete_many([m.key for m in group])
             self._observe(tier.name, "delete", time.perf_counter() - t0)
             for m in group:
@@ -199,9 +209,9 @@ class Executor:
             outs = await tier.put_many(spec, [m.key for m in group], [have[m.key].buf for m in group])
             self._observe(tier.name, "put", time.perf_counter() - t0)
             for m, out in zip(group, outs):
-                open_.pop(id(m), None)
                 done.outcomes[(m.key, t)] = out
                 if out in _WRITTEN:
+                    open_.pop(id(m), None)
                     self.planner.landed(m)
                     landed.append(m)
                     done.landed[m.key] = spec

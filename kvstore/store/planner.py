@@ -328,12 +328,22 @@ class Planner(Generic[K]):
 
     def abandon(self, moves: Iterable[Move[K]]) -> None:
         """Moves whose outcome will never be known (their executor was
-        cancelled): a write is taken as not made, a drop as done."""
+        cancelled while the tier had them): a write is taken as not made, a
+        drop as done (one never handed to its tier: :meth:`kept`)."""
         for m in moves:
             if m.kind is Kind.DROP:
                 self.dropped(m)
             else:
                 self.cancel(m)
+
+    def kept(self, moves: Iterable[Move[K]]) -> None:
+        """Issued DROPs never handed to their tier (their executor was
+        cancelled first): the block is still there, ``dropping`` -> ``resident``."""
+        for m in moves:
+            st = self.beliefs.keys.get(m.key)
+            if m.kind is Kind.DROP and st is not None and st.dropping >> m.tier & 1:
+                self.beliefs.undrop(m.key, m.tier)
+            self.beliefs.unbusy(m.key)
 
     def refused(self, move: Move[K], *, full: bool = False) -> list[Move[K]]:
         """An issued STORE / COPY into ``move.tier`` did not happen: forget

@@ -122,6 +122,7 @@ class TieredStore:
         self._epoch = 0                        # bumped by every invalidation
         self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
+        self._invalidating: dict[bytes, int] = {}   # namespace -> invalidations sweeping the tiers now
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
         self.prefetcher = Prefetcher(self._prefetch_now, self.planner, self.driver, self.stats, clock,
                                      max_prefetch=max_prefetch, max_prefetch_blocks=max_prefetch_blocks)
@@ -165,7 +166,7 @@ class TieredStore:
             for i, hit in zip(todo, found):
                 if hit:
                     where[i] = ti
-                else:      # the tier says it is gone (expired, dropped), unless it landed since
+                elif hit is False:   # gone (expired, dropped), unless it landed since; None: down, cannot tell
                     self.planner.absent(keys[i], ti, asked)
             todo = [i for i in todo if where[i] is None]
         prefix = next((i for i, w in enumerate(where) if w is None), len(keys))
@@ -292,7 +293,7 @@ class TieredStore:
 
     def _invalidated_since(self, namespace: bytes, start_epoch: int) -> bool:
         """True when ``namespace`` was invalidated after an operation began at ``start_epoch``."""
-        return self._ns_epoch.get(namespace, -1) > start_epoch
+        return namespace in self._invalidating or self._ns_epoch.get(namespace, -1) > start_epoch
 
     async def aheld(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether some tier holds each key (no request is counted: a daemon's
@@ -304,7 +305,7 @@ class TieredStore:
                 break
             found = await tier.contains_many([keys[i] for i in todo])
             for i, f in zip(todo, found):
-                out[i] = f
+                out[i] = bool(f)
             todo = [i for i, f in zip(todo, found) if not f]
         return out
 
@@ -415,8 +416,10 @@ class TieredStore:
         for t in range(above + 1, len(self.tiers)):
             if not todo:
                 return
-            since = self.planner.version
+            since, epoch = self.planner.version, self._epoch
             heads = await self.tiers[t].stat_many(todo)
+            if self._epoch != epoch:
+                return                   # an invalidation ran meanwhile: what was found may be gone
             for key, head in zip(todo, heads):
                 if head is not None:
                     self.planner.adopt(key, t, head.raw_len, head.owner, since=since)
@@ -485,11 +488,22 @@ class TieredStore:
         ns = identity.namespace_tag if isinstance(identity, CacheIdentity) else bytes(identity)
         if len(ns) != 16:
             raise InvalidBlock("a namespace tag is 16 bytes")
-        self._epoch += 1  # fences copies and promotions already in flight
+        # fences copies and promotions already in flight, and (while the tiers are
+        # swept one by one) those that begin meanwhile; bumped again once the sweep
+        # is over, so a plan that began during it is fenced when it lands
+        self._epoch += 1
         self._ns_epoch[ns] = self._epoch
+        self._invalidating[ns] = self._invalidating.get(ns, 0) + 1
         dropped = 0
-        for tier in self.tiers:
-            dropped += await tier.drop_namespace(ns)
+        try:
+            for tier in self.tiers:
+                dropped += await tier.drop_namespace(ns)
+        finally:
+            self._invalidating[ns] -= 1
+            if not self._invalidating[ns]:
+                del self._invalidating[ns]
+            self._epoch += 1
+            self._ns_epoch[ns] = self._epoch
         # The planner does not know every block's namespace (blocks adopted at
         # start or on a read), so it learns what went from the tiers themselves:
         # what has landed and is listed no more. A write in flight settles when

@@ -72,8 +72,9 @@ class Tier(Protocol):
         """Keys the tier dropped by itself since the last call (once each)."""
     def honour_pins(self, any_pinned: Callable[[Iterable[BlockKey]], bool]) -> None:
         """From now on keep blocks for which ``any_pinned`` is true when evicting by itself."""
-    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether each key is held (False where the backend is down)."""
+    async def contains_many(self, keys: Sequence[BlockKey]) -> Sequence[bool | None]:
+        """Whether each key is held; None where the tier cannot tell (its
+        backend is down): the store then believes nothing gone."""
     async def stat_many(self, keys: Sequence[BlockKey]) -> list[RecordHeader | None]:
         """Each key's record header, or None where it is not held."""
     async def put_many(self, spec: BlockSpec, keys: Sequence[BlockKey],
@@ -155,7 +156,7 @@ class TierOps:
         return out
 
     async def contains(self: Tier, key: BlockKey) -> bool:
-        return (await self.contains_many([key]))[0]
+        return bool((await self.contains_many([key]))[0])
 
     async def delete(self: Tier, key: BlockKey) -> bool:
         return (await self.delete_many([key]))[0]

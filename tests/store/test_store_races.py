@@ -188,3 +188,120 @@ def test_a_prefetch_read_overtaken_by_the_write_it_missed_forgets_nothing(tmp_pa
         assert_consistent(s)
         await s.aclose()
     asyncio.run(main())
+
+
+# -- from a review of the two-phase core: each failed before its fix -----------------------
+class _Gated(MemoryTier):
+    """Tier calls that wait on a gate (``gate``: which call), to cancel or interleave there."""
+
+    def __init__(self, capacity: int, name: str, gate_on: str = "") -> None:
+        super().__init__(capacity, name)
+        self.gate, self.gate_on = asyncio.Event(), gate_on
+
+    async def _wait(self, call: str) -> None:
+        if call == self.gate_on:
+            await self.gate.wait()
+
+    async def put_many(self, spec, keys, payloads):
+        await self._wait("put_many")
+        return await super().put_many(spec, keys, payloads)
+
+    async def stat_many(self, keys):
+        await self._wait("stat_many")
+        return await super().stat_many(keys)
+
+    async def drop_namespace(self, ns):
+        await self._wait("drop_namespace")
+        return await super().drop_namespace(ns)
+
+
+class _Down(MemoryTier):
+    """Refuses every write as unavailable; a lookup while ``down`` cannot tell (None)."""
+
+    down = False
+
+    async def put_many(self, spec, keys, payloads):
+        return [PutOutcome.UNAVAILABLE] * len(keys)
+
+    async def contains_many(self, keys):
+        return [None] * len(keys) if self.down else await super().contains_many(keys)
+
+
+def test_a_refused_write_is_reported_even_if_the_put_is_cancelled_before_its_answer():
+    """A refusal was taken off the in-flight set before the planner heard it:
+    a cancellation in between (here: while a second tier's write of the same
+    plan hangs) left its write 'writing' for ever (room held, key busy)."""
+    async def main():
+        t0 = _Gated(2 * (BB + HEADER_BYTES), "t0", gate_on="put_many")
+        t0.gate.set()
+        t1 = _Down(8 * (BB + HEADER_BYTES), "t1")
+        s = TieredStore([t0, t1], flush_on_close=False)
+        await s.aput(ID, KEYS[:2], [block(0), block(1)])
+        t0.gate.clear()
+        # c evicts a from t0: its demotion to t1 is refused, c's write to t0 hangs
+        task = asyncio.ensure_future(s.aput(ID, KEYS[2:3], [block(2)]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert s.planner.pending() == 0 and s.planner.tiers[1].used == 0
+        t0.gate.set()
+        await s.aclose()
+    asyncio.run(main())
+
+
+def test_a_drop_never_handed_to_its_tier_keeps_the_block():
+    """A prefetch cancelled while it reads had also planned an eviction: that
+    drop never ran, so the block is still the planner's (was: forgotten, its room leaked)."""
+    async def main():
+        from kvstore.policies.placement import HbmOnly
+        t0 = MemoryTier(BB + HEADER_BYTES, "t0")
+        t1 = _Gated(8 * (BB + HEADER_BYTES), "t1", gate_on="stat_many")
+        s = TieredStore([t0, t1], placement=HbmOnly(["t0", "t1"]), flush_on_close=False)
+        await s.aput(ID, KEYS[:1], [block(0)])                      # a in t0
+        await t1.put_many(BlockSpec.of(ID), KEYS[1:2], [block(1)])
+        s.planner.adopt(KEYS[1], 1, BB)
+        task = s.aprefetch(KEYS[1:2], 0)                            # b up to t0, evicting a: both planned
+        for _ in range(5):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert s.planner.pending() == 0 and s.planner.locate(KEYS[0]) == 0
+        assert_consistent(s)
+        await s.aclose()
+    asyncio.run(main())
+
+
+def test_a_copy_made_while_an_invalidation_sweeps_the_tiers_does_not_survive_it():
+    async def main():
+        t1 = _Gated(8 * (BB + HEADER_BYTES), "t1", gate_on="drop_namespace")
+        s = TieredStore([MemoryTier(BB + HEADER_BYTES, "t0"), t1], flush_on_close=False)
+        await s.aput(ID, KEYS[:2], [block(0), block(1)])            # KEYS[0] demoted to t1
+        assert s.planner.locate(KEYS[0]) == 1
+        inv = asyncio.ensure_future(s.ainvalidate(ID))
+        for _ in range(3):
+            await asyncio.sleep(0)                                  # t0 swept, t1's sweep waits
+        await s.aprefetch(KEYS[:1], 0)                              # copies t1 -> t0 meanwhile
+        t1.gate.set()
+        assert await inv >= 1
+        assert (await s.alookup(KEYS[:2], probe=True)).prefix_blocks == 0
+        assert (await s.aget(ID, KEYS[:1])) == [None]
+        assert_consistent(s)
+        await s.aclose()
+    asyncio.run(main())
+
+
+def test_a_lookup_while_a_tier_is_down_forgets_nothing_it_holds():
+    async def main():
+        t1 = _Down(8 * (BB + HEADER_BYTES), "t1")
+        s = TieredStore([MemoryTier(8 * (BB + HEADER_BYTES), "t0"), t1], flush_on_close=False)
+        await t1.__class__.__bases__[0].put_many(t1, BlockSpec.of(ID), KEYS[:2], [block(0), block(1)])
+        for k in KEYS[:2]:
+            s.planner.adopt(k, 1, BB)
+        t1.down = True
+        res = await s.alookup(KEYS[:2])                             # the backend cannot tell
+        assert res.prefix_blocks == 0 and s.planner.keys_in(1) == list(KEYS[:2])
+        t1.down = False
+        assert (await s.alookup(KEYS[:2])).tiers == ["t1", "t1"] and s.planner.tiers[1].lost == 0
+        await s.aclose()
+    asyncio.run(main())

@@ -279,10 +279,10 @@ class RedisTier(TierOps):
         else:
             st.unavailable += 1
 
-    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """EXISTS per key; False where the server is unreachable."""
+    async def contains_many(self, keys: Sequence[BlockKey]) -> list[bool | None]:
+        """EXISTS per key; None where the server is unreachable (it cannot tell)."""
         names = [self._name(k) for k in keys]
-        return [r == 1 for r in await self._link.small(names, b"EXISTS")]
+        return [None if r is DOWN else r == 1 for r in await self._link.small(names, b"EXISTS")]
 
     async def delete_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """UNLINK per key (freed by the server in the background); False if
