@@ -222,8 +222,10 @@ class NvmeTier(TierOps):
         return iter([(k, loc.header.owner, loc.header.raw_len) for k, loc in self.index.live.items()])
 
     def drain_evicted(self) -> list[BlockKey]:
-        """Keys evicted (by FIFO segment eviction) since the last call."""
-        out = list(self.index.evicted)
+        """Keys evicted (by FIFO segment eviction) since the last call and not
+        written again since (an eviction by compaction or a tombstone's append
+        is drained only at the next put, when the key may be back)."""
+        out = [k for k in dict.fromkeys(self.index.evicted) if k not in self.index.live]
         self.index.evicted.clear()
         return out
 
@@ -263,6 +265,11 @@ class NvmeTier(TierOps):
             ended = await asyncio.shield(fut)
             out[i] = PutOutcome.EXISTS if ended in (PutOutcome.STORED, PutOutcome.EXISTS) else ended
         await self.tombstones.pay_owed()
+        # a block another append's FIFO eviction took while this call awaited is not held:
+        # acknowledging it would leave the store believing in a block the disk has not
+        for i, o in enumerate(out):
+            if o in (PutOutcome.STORED, PutOutcome.EXISTS) and keys[i] not in self.index.live:
+                out[i] = PutOutcome.NO_SPACE
         return out
 
     def _claim_puts(self, keys: Sequence[BlockKey]
