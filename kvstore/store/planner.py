@@ -343,6 +343,7 @@ class Planner(Generic[K]):
             st = self.beliefs.keys.get(m.key)
             if m.kind is Kind.DROP and st is not None and st.dropping >> m.tier & 1:
                 self.beliefs.undrop(m.key, m.tier)
+                self.tiers[m.tier].evictions -= m.cause is Cause.EVICT
             self.beliefs.unbusy(m.key)
 
     def refused(self, move: Move[K], *, full: bool = False) -> list[Move[K]]:
