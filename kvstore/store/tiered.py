@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 
 import numpy as np
@@ -117,7 +117,6 @@ class TieredStore:
                                        "operation.", ["tier", "op"], buckets=LATENCY_BUCKETS,
                                        registry=self.metrics)
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
-        self.removals = 0                      # blocks the store saw leave it (evicted, invalidated)
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
         self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
@@ -192,7 +191,6 @@ class TieredStore:
         return self._gone.get(key, MissReason.NEVER_STORED)
 
     def _forget(self, key: BlockKey, reason: MissReason) -> None:
-        self.removals += 1
         self._gone[key] = reason
         self._gone.move_to_end(key)
         if len(self._gone) > _GONE_MEMORY:
@@ -528,12 +526,6 @@ class TieredStore:
             if head is not None:
                 return head
         return None
-
-    def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
-        """``(key, owner, raw bytes)`` of every record every tier holds (a key
-        in two tiers comes twice): what the daemon rebuilds its quotas from."""
-        for tier in self.tiers:
-            yield from tier.iter_owners()
 
     def audit(self) -> list[TierAudit]:
         """Per tier, what the planner believes it holds beside what the tier
