@@ -95,12 +95,22 @@ class ListenConfig(Section):
 
 
 class MetricsConfig(Section):
-    """``daemon.metrics``: HTTP /metrics (Prometheus) and /health."""
+    """``daemon.metrics``: HTTP /metrics (Prometheus) and /health.
+
+    Any local user can reach the listener. /health answers from the daemon's
+    state. /metrics shows the store-wide series to anyone and each tenant's
+    own series (hits, misses, bytes used: enough to watch another tenant's
+    traffic) only to an operator: a scrape sending an admin tenant's token as
+    ``Authorization: Bearer <token>`` (a daemon without tenants shows them to
+    anyone). Its text is rendered at most once per ``cache_s`` per view,
+    whoever scrapes.
+    """
 
     tree_path = "daemon.metrics"
     host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     port: Port | None = None             # None: no metrics listener; 0 picks one
-    tenant_names: Flag = False           # False: tenants appear as opaque labels
+    tenant_names: Flag = False           # False: tenants appear as opaque labels (even to the operator)
+    cache_s: Annotated[float, FINITE, Field(ge=0, le=60)] = 1.0   # how stale a scrape may be
 
 
 class DaemonConfig(Section):

@@ -33,6 +33,7 @@ class ServerStatus:
     preauth: int                   # of them, not authenticated yet
     draining: bool
     healthy: bool                  # what /health says (False: draining or degraded)
+    metrics_renders: int = 0       # /metrics texts rendered (at most one per view and cache interval)
 
 
 class Host(Protocol):

@@ -32,7 +32,10 @@ class DaemonLimits(Section):
     auth_timeout_s: Seconds = 5.0          # from accept to a HELLO that authenticates
     idle_timeout_s: Seconds = 60.0         # between requests of an authenticated connection
     request_timeout_s: Seconds = 60.0      # to receive one request's body, and to send its reply
-    max_preauth_connections: Count = 64    # connections that have not authenticated yet
+    max_preauth_connections: Count = 64    # connections that have not authenticated yet, all peers
+    # of them, one peer's share (a uid; a remote TCP address): past it, or with the pool full, the
+    # peer's own oldest (or the biggest holder's) is closed to make room, never the newcomer refused
+    max_preauth_per_peer: Count = 16
     max_connections_per_tenant: Count = 64
     max_request_bytes: Annotated[Size, Field(ge=1)] = 256 << 20   # a PUT's payload, a GET's blocks
     tenant_buffer_bytes: Annotated[Size, Field(ge=1)] = 1 << 30   # per tenant: receive buffers (and big metadata)

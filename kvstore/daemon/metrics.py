@@ -13,7 +13,11 @@ The HTTP side is a tiny HTTP/1.0 responder on asyncio streams: a scrape is
 a few KB every few seconds, so stream copies do not matter here (they do
 on the data path). Its connections come from the daemon's own accept loop,
 not asyncio's server (which, out of descriptors, logs a traceback per
-attempt and leaves /health unanswered).
+attempt and leaves /health unanswered). Any local user can reach it, so
+(:class:`MetricsServer`) an idle peer cannot keep /health out, scrapes
+cost the event loop one read of the counters a second however many come
+(:class:`RenderCache`), and a tenant's own series (its hits, misses, bytes:
+enough to watch another tenant's traffic) go only to an operator.
 
 This module does not import the server: what it reads of it comes as
 parameters (the store, the tenants, a :class:`ServerStatus` callable, the
@@ -24,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvstore.daemon.host import ServerStatus
+from kvstore.daemon.peers import Shares, peer_key
 from kvstore.daemon.tenants import Tenant
 from kvstore.outcomes import MissReason
 from kvstore.policies.regime import REGIMES
@@ -68,6 +74,8 @@ class DaemonCollector:
         store, tenants = self.store, self.tenants
         if self.status is not None:
             yield from _store_families(store, self.status())
+        if not tenants:
+            return   # the public view: store-wide series only
 
         def label(t: Tenant) -> dict[str, str]:
             return {"tenant": self.label(t)}
@@ -132,6 +140,8 @@ def _store_families(store: TieredStore, status: ServerStatus) -> Iterator[Metric
     yield _family("draining", "gauge", "1 while the daemon drains.", [({}, int(status.draining))])
     yield _family("healthy", "gauge", "1 when /health says ok (0: draining or degraded).",
                   [({}, int(status.healthy))])
+    yield _family("metrics_renders_total", "counter", "/metrics texts rendered (scrapes within the cache "
+                  "interval get the last one).", [({}, status.metrics_renders)])
 
 
 # what the regime placement counts (policies/regime.py), as counters
@@ -161,20 +171,25 @@ def _placement_families(snap: dict) -> Iterator[Metric]:
 
 
 def daemon_registry(store: TieredStore, tenants: Sequence[Tenant], label: Callable[[Tenant], str],
-                    status: Callable[[], ServerStatus]) -> tuple[CollectorRegistry, Histogram]:
-    """The daemon's registry: the store's, the server's (``status``) and
-    every tenant's counters (``label``: how a tenant is named), the store's
-    histograms, and the request-latency histogram it returns (to observe)."""
+                    status: Callable[[], ServerStatus]) -> tuple[CollectorRegistry, CollectorRegistry, Histogram]:
+    """The daemon's registries: the operator's (the store's, the server's
+    (``status``) and every tenant's counters, ``label``: how a tenant is
+    named) and the public one (the same without a tenant's row), both with the
+    store's histograms and the request-latency histogram returned (to observe)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(store, tenants, label, status))
     registry.register(store.metrics)
     requests = Histogram("kvstore_request_seconds", "Time the daemon took to serve a request, by opcode.",
                          ["op"], buckets=LATENCY_BUCKETS, registry=registry)
-    return registry, requests
+    public = CollectorRegistry(auto_describe=False)
+    public.register(DaemonCollector(store, (), label, status))
+    public.register(store.metrics)
+    public.register(requests)
+    return registry, public, requests
 
 
 def render_metrics(registry: CollectorRegistry) -> str:
-    """Prometheus exposition of a registry (the daemon's: an admin's METRICS, and the HTTP endpoint)."""
+    """Prometheus exposition of a registry (the daemon's: an admin's METRICS)."""
     return generate_latest(registry).decode()
 
 
@@ -185,71 +200,171 @@ def tenant_metrics(store: TieredStore, tenant: Tenant) -> str:
     return generate_latest(own).decode()
 
 
-MAX_SCRAPES = 16
+class _Collected:
+    """Metric families read already: what ``generate_latest`` formats on a worker thread."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+class RenderCache:
+    """``/metrics`` text per view (operator or public), rendered at most once
+    per ``ttl_s``: the families are read on the loop (the store's dicts are
+    the loop's; a worker thread reading them could race a request), the text
+    formatted on a worker thread (the costly part: a string per sample), and
+    scrapes arriving meanwhile wait for that one render. So scrapers back to
+    back cost the loop one read of the counters per second, whoever sends them."""
+
+    def __init__(self, registries: dict[bool, CollectorRegistry], ttl_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registries = registries
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._done: dict[bool, tuple[float, bytes]] = {}           # view -> (when rendered, text)
+        self._running: dict[bool, asyncio.Future[bytes]] = {}
+        self.renders = 0
+
+    async def text(self, operator: bool) -> bytes:
+        done = self._done.get(operator)
+        if done is not None and self.clock() - done[0] < self.ttl_s:
+            return done[1]
+        running = self._running.get(operator)
+        if running is None:
+            running = asyncio.ensure_future(self._render(operator))
+            self._running[operator] = running
+            running.add_done_callback(lambda _: self._running.pop(operator, None))
+        return await asyncio.shield(running)   # a scraper that goes away does not cancel the others' render
+
+    async def _render(self, operator: bool) -> bytes:
+        at = self.clock()
+        self.renders += 1
+        families = list(self.registries[operator].collect())
+        text = await asyncio.to_thread(generate_latest, _Collected(families))   # type: ignore[arg-type]
+        self._done[operator] = (at, text)
+        return text
+
+
+MAX_WAITING = 16          # HTTP connections that have not sent their request yet, all peers
+WAITING_PER_PEER = 4      # of them, one peer's (a uid; a remote address)
+SCRAPES_PER_PEER = 4      # /metrics replies one peer may have in flight; more: 429
+MAX_CONNECTIONS = 256     # every HTTP connection at once (descriptors)
+REQUEST_TIMEOUT_S = 5.0   # to send the request's head, and to take the reply
+_MAX_HEAD = 16 << 10      # a request's head (line and headers), at most
 
 
 class MetricsServer:
     """HTTP GET /metrics and /health on a listening socket whose connections
     the daemon's accept loop hands over (``serve``), so /health answers even
     while the daemon is out of descriptors (the loop serves it on its spare
-    one). Loop-bound."""
+    one). Loop-bound.
 
-    def __init__(self, sock: socket.socket, render: Callable[[], str],
-                 health: Callable[[], tuple[bool, str]]) -> None:
+    No idle peer can keep a probe out: connections that have not sent their
+    request yet are a pool shared per peer (:class:`~kvstore.daemon.peers.Shares`),
+    and a newcomer sheds the oldest of its own peer's share (or of the
+    biggest holder's) instead of being refused. /health is answered from
+    the daemon's state (no rendering); /metrics from :class:`RenderCache`, at
+    most ``SCRAPES_PER_PEER`` at once per peer. The per-tenant series go
+    only to an operator (``operator(token, peer)``: the bearer token of an
+    admin tenant); everyone else gets the store-wide ones."""
+
+    def __init__(self, sock: socket.socket, cache: RenderCache, health: Callable[[], tuple[bool, str]],
+                 operator: Callable[[str | None, str], bool]) -> None:
         self.sock = sock
-        self.render = render        # the /metrics body
+        self.cache = cache
         self.health = health        # (healthy, text) for /health
+        self.operator = operator    # whether a bearer token (or none) from a peer sees every tenant
         self.port: int = sock.getsockname()[1]
         self._tasks: set[asyncio.Task] = set()
+        self._waiting: Shares[asyncio.Task] = Shares(MAX_WAITING, WAITING_PER_PEER)
+        self._scrapes: dict[str, int] = {}     # per peer, /metrics replies in flight
 
     def serve(self, sock: socket.socket, done: Callable[[], None] | None = None) -> None:
-        """Answer one accepted connection in the background; ``done`` runs after.
-        At most ``MAX_SCRAPES`` at once (each may take 5 s to send its request):
-        the rest are closed, so scrapers cannot hold the daemon's descriptors."""
-        if len(self._tasks) >= MAX_SCRAPES:
+        """Answer one accepted connection in the background; ``done`` runs after."""
+        if len(self._tasks) >= MAX_CONNECTIONS:
             sock.close()
             if done is not None:
                 done()
             return
-        task = asyncio.get_running_loop().create_task(self._serve(sock))
+        try:
+            peer = peer_key(sock, sock.getpeername())
+        except OSError:
+            peer = "addr:?"
+        task = asyncio.get_running_loop().create_task(self._serve(sock, peer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._waiting.release)
+        # shed before it ever ran, the task never saw its socket (otherwise _serve closes it)
+        task.add_done_callback(lambda t: sock.close() if t.cancelled() else None)
         if done is not None:
             task.add_done_callback(lambda _: done())
+        for shed in self._waiting.admit(peer, task):
+            shed.cancel()    # it has sent nothing yet: it made room for this one
 
-    async def _serve(self, sock: socket.socket) -> None:
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-        except OSError:
+            reader, writer = await asyncio.open_connection(sock=sock, limit=_MAX_HEAD)
+        except (OSError, asyncio.CancelledError):   # cancelled: shed, or the daemon drains
             sock.close()
             return
-        await self._handle(reader, writer)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            parts = head.split(b"\r\n", 1)[0].split()
+            await self._handle(reader, writer, peer)
+        finally:
+            writer.close()   # cancelled (shed) included: the descriptor goes now
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            task = asyncio.current_task()
+            if task is not None:
+                self._waiting.release(task)    # it has spoken: not one to shed any more
+            lines = head.split(b"\r\n")
+            parts = lines[0].split()
             path = parts[1].decode("ascii", "replace") if len(parts) >= 2 else ""
             if path.split("?")[0] == "/metrics":
-                status, body = "200 OK", self.render()
+                status, body = await self._scrape(peer, _bearer(lines[1:]))
             elif path == "/health":
                 ok, text = self.health()
-                status, body = ("200 OK" if ok else "503 Service Unavailable"), text + "\n"
+                status, body = ("200 OK" if ok else "503 Service Unavailable"), (text + "\n").encode()
             else:
-                status, body = "404 Not Found", "not found\n"
-            data = body.encode()
+                status, body = "404 Not Found", b"not found\n"
             writer.write(f"HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-            await writer.drain()
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            pass    # shed before it sent its request, or the daemon drains
         finally:
-            writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                writer.close()
+
+    async def _scrape(self, peer: str, token: str | None) -> tuple[str, bytes]:
+        if self._scrapes.get(peer, 0) >= SCRAPES_PER_PEER:
+            return "429 Too Many Requests", b"too many scrapes in flight from this peer\n"
+        self._scrapes[peer] = self._scrapes.get(peer, 0) + 1
+        try:
+            return "200 OK", await self.cache.text(self.operator(token, peer))
+        finally:
+            self._scrapes[peer] -= 1
+            if not self._scrapes[peer]:
+                del self._scrapes[peer]
 
     async def close(self) -> None:
         """Finish the scrapes in flight (the daemon closes the listening socket)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _bearer(headers: list[bytes]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, if any."""
+    for line in headers:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip().decode("utf-8", "replace")
+    return None

@@ -18,7 +18,12 @@ with one memcpy on each side.
 
 Trust: a peer is hostile until it authenticates, and a tenant is hostile
 to every other. Before HELLO a peer may send one small frame within
-``auth_timeout_s``; after it, every connection, buffer, pin and request is
+``auth_timeout_s``, and holds a share of the pre-authentication pool (per
+local uid, or remote address: :mod:`kvstore.daemon.peers`): a peer that
+fills its share, or a full pool, sheds that peer's (or the biggest
+holder's) oldest unauthenticated connection, so idle sockets re-opened as
+they time out crowd out only their own peer, never a tenant about to
+authenticate. After HELLO every connection, buffer, pin and request is
 bounded per tenant (:mod:`kvstore.daemon.limits`), idle connections are
 closed, and the accept loop outlives running out of descriptors (it backs
 off, sheds the pending connection, and ``/health`` says degraded).
@@ -45,8 +50,9 @@ from kvstore.config import Config
 from kvstore.daemon import claims
 from kvstore.daemon.conn import Conn
 from kvstore.daemon.host import ServerStatus
-from kvstore.daemon.metrics import MetricsServer, daemon_registry, render_metrics
+from kvstore.daemon.metrics import MetricsServer, RenderCache, daemon_registry
 from kvstore.daemon.ops import Handlers, Reply
+from kvstore.daemon.peers import Shares, peer_key
 from kvstore.daemon.protocol import (
     HEADER_SIZE,
     MAX_KEYS,
@@ -117,12 +123,15 @@ class Daemon:
         self.errors = 0
         self.max_connections = claims.connection_limit(config)
         self.handlers = Handlers(self)
-        self.registry, self._request_seconds = daemon_registry(store, list(self.tenants), self.tenant_label,
-                                                               self.status)
+        self.registry, self._public_registry, self._request_seconds = daemon_registry(
+            store, list(self.tenants), self.tenant_label, self.status)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
         self._conns: dict[asyncio.Task, Conn] = {}
-        self.preauth = 0                           # connections not authenticated yet
+        self._task_of: dict[Conn, asyncio.Task] = {}
+        # connections not authenticated yet, each in its peer's share
+        self._preauth: Shares[Conn] = Shares(config.daemon.limits.max_preauth_connections,
+                                             config.daemon.limits.max_preauth_per_peer)
         self._degraded: dict[str, float] = {}      # reason -> until (clock)
         self._spare_fd = _spare()
         self._busy = 0
@@ -155,7 +164,8 @@ class Daemon:
             if metrics_at.port is not None:
                 sock = claims.tcp_listener(metrics_at.host, metrics_at.port,
                                            ("daemon.metrics.host", "daemon.metrics.port"))
-                self.metrics = metrics = MetricsServer(sock, lambda: render_metrics(self.registry), self.health)
+                cache = RenderCache({True: self.registry, False: self._public_registry}, metrics_at.cache_s)
+                self.metrics = metrics = MetricsServer(sock, cache, self.health, self.operator)
                 # out of descriptors, a scrape is still served, on the spare one
                 self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
         except BaseException:
@@ -179,14 +189,32 @@ class Daemon:
             out.append(Holding(name, tier.persistent, blocks, nbytes))
         return tuple(out)
 
+    def operator(self, token: str | None, peer: str) -> bool:
+        """Whether a /metrics scrape with this bearer token, from this peer, sees
+        every tenant's series: an admin tenant's token (or a daemon without
+        tenants, whose every client is its admin)."""
+        if self.tenants.anonymous:
+            return True
+        if token is None:
+            return False
+        uid = int(peer.removeprefix("uid:")) if peer.startswith("uid:") else None
+        tenant = self.tenants.authenticate(token, uid)
+        return tenant is not None and tenant.admin
+
     def tenant_label(self, tenant: Tenant) -> str:
         return tenant.name if self.config.metrics.tenant_names else tenant.label
+
+    @property
+    def preauth(self) -> int:
+        """Connections not authenticated yet."""
+        return len(self._preauth)
 
     def status(self) -> ServerStatus:
         """The server's own figures now (for /metrics)."""
         return ServerStatus(requests=dict(self.requests), protocol_errors=self.errors,
                             connections=len(self._conns), preauth=self.preauth, draining=self.draining,
-                            healthy=self.health()[0])
+                            healthy=self.health()[0],
+                            metrics_renders=self.metrics.cache.renders if self.metrics else 0)
 
     # -- health ------------------------------------------------------------------
     def degrade(self, reason: str) -> None:
@@ -255,7 +283,7 @@ class Daemon:
             self._spare_fd = _spare()
 
     def _admit(self, sock: socket.socket, addr: object) -> None:
-        if len(self._conns) >= self.max_connections or self.preauth >= self.config.limits.max_preauth_connections:
+        if len(self._conns) >= self.max_connections:
             self.degrade("connection limit reached")
             sock.close()   # refuse rather than queue: the client sees a reset and retries
             return
@@ -270,15 +298,31 @@ class Daemon:
         except OSError:
             sock.close()
             return
-        conn = Conn(sock, f"pid {creds[0]} uid {creds[1]}" if creds else str(addr), creds)
-        self.preauth += 1
+        peer = f"uid:{creds[1]}" if creds else peer_key(sock, addr)
+        conn = Conn(sock, f"pid {creds[0]} uid {creds[1]}" if creds else f"{addr} ({peer})", creds)
         task = asyncio.get_running_loop().create_task(self._serve_conn(conn))
         self._conns[task] = conn
-        task.add_done_callback(self._conns.pop)
+        self._task_of[conn] = task
+        task.add_done_callback(self._conn_done)
+        for shed in self._preauth.admit(peer, conn):
+            # an unauthenticated connection made room for this one (see the module docstring); its
+            # socket is closed in _conn_done, once the task has let go of it (even if it never started)
+            log.info("connection %s: not authenticated, shed for a newer connection (peer %s)", shed.peer, peer)
+            self._task_of[shed].cancel()
+
+    def _conn_done(self, task: asyncio.Task) -> None:
+        """A connection's task ended (or was cancelled before it ran): its counts and descriptor go."""
+        conn = self._conns.pop(task)
+        del self._task_of[conn]
+        if conn.tenant is not None:
+            conn.tenant.connections -= 1
+        else:
+            self._preauth.release(conn)
+        conn.close()
 
     def authenticated(self, conn: Conn) -> None:
         """A connection's HELLO succeeded (called by the handlers)."""
-        self.preauth -= 1
+        self._preauth.release(conn)
 
     # -- one connection -------------------------------------------------------
     async def _serve_conn(self, conn: Conn) -> None:
@@ -315,11 +359,7 @@ class Daemon:
             self.errors += 1
             log.exception("connection %s: unexpected error", conn.peer)
         finally:
-            if conn.tenant is not None:
-                conn.tenant.connections -= 1
-            else:
-                self.preauth -= 1
-            conn.close()
+            conn.close()   # the counts go in _conn_done, which also runs for a task cancelled unstarted
 
     async def _request(self, loop: asyncio.AbstractEventLoop, conn: Conn, header: bytearray,
                        body_s: float) -> bool:
@@ -345,6 +385,7 @@ class Daemon:
                 raise ProtocolError(f"unknown opcode {op}") from None
             self.requests[op.name] += 1
             reply, blocks, fds = await self._serving(op, self.handlers.handle(conn, op, meta, payload))
+            head = _reply_head(op, req_id, reply, blocks, fds)
         except (ProtocolError, AuthFailed) as exc:
             self.errors += 1
             log.warning("connection %s: %s; closing it", conn.peer, exc)
@@ -355,7 +396,7 @@ class Daemon:
             # unless the body was left unread (the stream is out of step) or the
             # peer is still unauthenticated (it had its one chance)
             return body_read and conn.tenant is not None
-        await self._reply(loop, conn, frame(op, req_id, reply, sum(b.nbytes for b in blocks)), blocks, fds)
+        await self._reply(loop, conn, head, blocks, fds)
         return True
 
     async def _receive(self, loop: asyncio.AbstractEventLoop, conn: Conn, op: int, req_id: int,
@@ -503,6 +544,20 @@ class Daemon:
 
 
 # -- helpers ------------------------------------------------------------------------
+def _reply_head(op: Op, req_id: int, reply: dict, blocks: list[memoryview], fds: list[int]) -> bytes:
+    """A reply's header and metadata. Metadata past the frame limit (a STATS
+    grown too big) is the request's error, answered as such on a connection
+    that stays usable, not a ProtocolError out of the request's handling
+    (which dropped the connection, and every later STATS with it)."""
+    try:
+        return frame(op, req_id, reply, sum(b.nbytes for b in blocks))
+    except ProtocolError as exc:
+        for fd in fds:   # the reply is not sent: nor are the descriptors it would have passed
+            os.close(fd)
+        log.warning("%s reply not sent: %s", op.name, exc)
+        raise Overloaded(f"the {op.name} reply is too large to send ({exc}); ask for less") from None
+
+
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
                      eof_ok: bool = False) -> bool:
     """Fill ``view`` completely. False on a clean EOF before the first byte

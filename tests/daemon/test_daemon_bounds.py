@@ -127,20 +127,27 @@ def test_sockets_past_the_descriptor_limit_do_not_end_the_accept_loop(tmp_path, 
     """1,100 idle sockets under a 1,024 descriptor limit ended the accept loop
     for good (an uncaught EMFILE) while /health still said ok."""
     _raise_own_fd_limit(sockets + 200)
-    cfg = config(tmp_path, limits={"auth_timeout_s": 2.0})
+    # the pre-authentication pool and shares as big as the flood: this is about descriptors
+    # (test_daemon_admission.py: what the shares do)
+    cfg = config(tmp_path, limits={"auth_timeout_s": 2.0, "max_preauth_connections": 10_000,
+                                   "max_preauth_per_peer": 10_000})
     if max_connections is not None:   # configured past the descriptors: nothing refuses before accept fails
         cfg["daemon"]["max_connections"] = max_connections
-        cfg["daemon"]["limits"]["max_preauth_connections"] = max_connections
     d = Served(tmp_path, TOK_VICTIM, config=cfg, nofile=nofile).start()
     held: list[socket.socket] = []
     try:
         for _ in range(sockets):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.setblocking(False)
-            try:
-                s.connect(socket_path(d))
-            except (BlockingIOError, ConnectionRefusedError, OSError):
-                pass
+            for _ in range(100):   # a full backlog: give the accept loop a moment, so the flood reaches the limit
+                try:
+                    s.connect(socket_path(d))
+                except BlockingIOError:
+                    time.sleep(0.002)
+                    continue
+                except (ConnectionRefusedError, OSError):
+                    pass
+                break
             held.append(s)
         time.sleep(0.5)
         status, text = health(d)

@@ -402,9 +402,7 @@ def test_metrics_name_no_tenant_bind_loopback_and_answer_a_tenant_about_itself(d
     port = daemon.config["daemon"]["metrics"]["port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "victim" not in text and 'tenant="eve"' not in text
-    assert 'kvstore_tenant_hits_total{tenant="t' in text
-    for family in [line for line in text.splitlines() if line.startswith("kvstore_tenant_")]:
-        assert 'tenant="t' in family
+    assert "kvstore_tenant_" not in text and "kvstore_hits_total" in text   # no admin token: the store's only
     with socket.socket() as probe:                          # not reachable on other addresses
         addr = socket.gethostbyname(socket.gethostname())
         if not addr.startswith("127."):
