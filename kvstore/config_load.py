@@ -11,13 +11,19 @@ in layers, later ones winning:
 4. what the caller passes: a dict (an engine's extra config, ``open_store``'s
    argument) or command-line flags.
 
-Tables merge key by key; anything else replaces what a lower layer said.
-Every failure is a ConfigError naming the file, the variable or the path.
+Tables merge key by key; anything else replaces what a lower layer said,
+except that a variable never replaces the tenants a file gives
+(``KVSTORE_DAEMON_TENANTS`` beside a file's ``[[daemon.tenants]]`` is a
+ConfigError naming both). A config file is read only if it is a regular
+file of at most 1 MiB. Every failure is a ConfigError naming the file, the
+variable or the path.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -46,13 +52,43 @@ def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] |
     tree: dict[str, Any] = {}
     if path is not None:
         tree = merge(tree, read_config_file(os.fspath(path), named))
-    tree = merge(tree, env_tree(env))
+    from_env = env_tree(env)
+    if path is not None:
+        _no_env_over_file(tree, from_env, f"{named} {os.fspath(path)}")
+    tree = merge(tree, from_env)
     if data is not None:
         if not isinstance(data, Mapping):
             raise ConfigError(f"config: must be an object (got {type(data).__name__})")
         check_tree(data, "config")
         tree = merge(tree, data)
     return Config.from_dict(tree)
+
+
+# Settings a variable may not replace once the file gives them: who may
+# connect at all. A variable is inherited silently (from a unit file, a
+# shell profile, a container image), so one that swapped the file's tenants
+# would admit tokens nobody reading the file would know of.
+FILE_ONLY_WHEN_GIVEN = (("daemon", "tenants"),)
+
+
+def _no_env_over_file(file_tree: Mapping[str, Any], env: Mapping[str, Any], file_named: str) -> None:
+    """A ConfigError naming both sources if the environment gives a setting of
+    :data:`FILE_ONLY_WHEN_GIVEN` that the file gives too."""
+    for path in FILE_ONLY_WHEN_GIVEN:
+        if _given(file_tree, path) and _given(env, path):
+            variable = ENV_PREFIX + "_".join(path).upper()
+            raise ConfigError(f"{'.'.join(path)} is given by both {file_named} and ${variable}; a variable "
+                              f"does not replace the file's {path[-1]}: unset {variable}, or remove them "
+                              "from the file")
+
+
+def _given(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def as_config(config: Config | Mapping[str, Any]) -> Config:
@@ -86,21 +122,30 @@ def _store_under(lower: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str,
     return dict(lower)
 
 
+MAX_CONFIG_BYTES = 1 << 20     # a config file past this is a mistake (or /dev/zero), never read whole
+MAX_DOCUMENT_BYTES = 256 << 20  # any other document (a tokens file): bounded too, past any real one
+
+
 def read_config_file(path: str, what: str = "config") -> dict[str, Any]:
-    """A config file's tree: TOML, or JSON if the name ends in ``.json``."""
-    tree = read_document(path, what, json_only=path.endswith(".json"))
+    """A config file's tree: TOML, or JSON if the name ends in ``.json``.
+    Only a regular file of at most :data:`MAX_CONFIG_BYTES` is read: a FIFO
+    would hang the start and ``/dev/zero`` would fill the memory."""
+    tree = read_document(path, what, json_only=path.endswith(".json"), regular_only=True,
+                         max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(tree, dict):
         raise ConfigError(f"{what} {path}: must be an object (a table), not {type(tree).__name__}")
     return tree
 
 
-def read_document(path: str, what: str, *, json_only: bool = True) -> Any:
+def read_document(path: str, what: str, *, json_only: bool = True, regular_only: bool = False,
+                  max_bytes: int = MAX_DOCUMENT_BYTES) -> Any:
     """A JSON (or TOML) file's contents; every way it can fail is a
-    ConfigError ``<what> <path>: <why>`` (unreadable, not UTF-8, not
-    parseable, a key given twice in one object, nested too deep)."""
+    ConfigError ``<what> <path>: <why>`` (unreadable, not a regular file when
+    ``regular_only``, over ``max_bytes``, not UTF-8, not parseable, a key
+    given twice in one object, nested too deep). Without ``regular_only`` a
+    pipe is read (``--tokens <(...)``), still only up to ``max_bytes``."""
     try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
+        text = _read_bounded(path, regular_only=regular_only, max_bytes=max_bytes).decode("utf-8")
         # TOML refuses a key given twice itself; JSON would keep the last silently
         return json.loads(text, object_pairs_hook=unique_keys) if json_only else tomllib.loads(text)
     except OSError as exc:
@@ -109,11 +154,38 @@ def read_document(path: str, what: str, *, json_only: bool = True) -> Any:
         raise ConfigError(f"{what} {path}: not UTF-8 text: {exc}"[:500]) from None
     except RecursionError:
         raise ConfigError(f"{what} {path}: nested too deeply to be a config") from None
-    except ConfigError as exc:     # from unique_keys
+    except ConfigError as exc:     # from unique_keys, or _read_bounded
         raise ConfigError(f"{what} {path}: {exc}") from None
     except ValueError as exc:   # JSONDecodeError, TOMLDecodeError, integers too long to convert
         kind = "JSON" if json_only else "TOML (name the file .json for JSON)"
         raise ConfigError(f"{what} {path}: not valid {kind}: {exc}"[:500]) from None
+
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+               (stat.S_ISBLK, "a device"))
+
+
+def _read_bounded(path: str, *, regular_only: bool, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of ``path``, or a ConfigError (not naming the
+    file: :func:`read_document` does); OSErrors pass up.
+    With ``regular_only`` the open does not wait for a FIFO's writer
+    (O_NONBLOCK) and anything but a regular file is refused by its fstat."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NONBLOCK if regular_only else 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):     # what reading one says, as before: "cannot read it: Is a directory"
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if regular_only and not stat.S_ISREG(st.st_mode):
+            kind = next((name for is_kind, name in _FILE_KINDS if is_kind(st.st_mode)), "not a plain file")
+            raise ConfigError(f"not a regular file ({kind}); give a file")   # read_document names it
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)     # /proc files say size 0: the read itself is the bound
+    if len(data) > max_bytes:
+        raise ConfigError(f"larger than {max_bytes:,} bytes, the most read")
+    return data
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -13,9 +13,11 @@ import socket
 import stat
 
 from kvstore.config import Config
+from kvstore.daemon import exposure
 from kvstore.daemon.config import SettingUnusable
 from kvstore.daemon.tenants import load_key_secret
 from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.private_paths import UntrustedPath
 from kvstore.store.tiered import TieredStore
 
 FD_RESERVE = 64             # descriptors kept for the store, the metrics server and logging
@@ -48,6 +50,7 @@ def unix_listener(path: str, mode: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise SettingUnusable("daemon.listen.unix_path", path, f"cannot listen there: {why(exc)}") from exc
+    exposure.warn_unix_mode(path, mode)
     return sock
 
 
@@ -57,11 +60,13 @@ def tcp_listener(host: str, port: int, settings: tuple[str, str]) -> socket.sock
     or is not this machine's, else the port (taken, or privileged)."""
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        return socket.create_server((host, port), reuse_port=False)
+        sock = socket.create_server((host, port), reuse_port=False)
     except OSError as exc:
         if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
             raise SettingUnusable(settings[0], host, f"cannot listen there: {why(exc)}") from exc
         raise SettingUnusable(settings[1], port, why(exc).lower()) from exc
+    exposure.warn_tcp_host(settings[0], host, sock.getsockname()[0])
+    return sock
 
 
 def usable_dir(path: str, setting: str) -> None:
@@ -94,11 +99,15 @@ def not_held(path: str, *, shared: bool) -> None:
 
 
 def key_secret(config: Config) -> bytes:
-    """``load_key_secret``, with a failure naming the directory it is kept in."""
+    """``load_key_secret``, with a failure naming the directory it is kept in
+    (one another user owns or can write to among them: see
+    :mod:`kvstore.private_paths`)."""
+    setting = "daemon.state_dir" if config.daemon.state_dir else "store.nvme.path"
     try:
         return load_key_secret(config)
+    except UntrustedPath as exc:
+        raise SettingUnusable(setting, config.state_path, exc.seen_from(config.state_path or "")) from None
     except OSError as exc:
-        setting = "daemon.state_dir" if config.daemon.state_dir else "store.nvme.path"
         raise SettingUnusable(setting, config.state_path, f"cannot keep the key secret there: {why(exc)}") from exc
 
 

@@ -48,6 +48,7 @@ from kvstore.config import Config
 from kvstore.daemon.config import ANONYMOUS, DaemonConfig, TenantSpec
 from kvstore.errors import ConfigError, Overloaded
 from kvstore.keys import BlockKey
+from kvstore.private_paths import create_private_file, make_private_dir, open_private_file
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -173,10 +174,19 @@ def _owner_tag(name: str, base: bytes) -> int:
 
 
 def load_key_secret(config: Config) -> bytes:
-    """The daemon's key secret: ``key_secret`` if configured, else the one kept
-    in the state directory (made at first start: 32 random bytes, mode 0600,
-    written atomically), else a random one for this process's life."""
+    """The daemon's key secret: ``key_secret`` if configured (refused if weak:
+    :func:`weak_secret`), else the one kept in the state directory (made at
+    first start: 32 random bytes as hex, mode 0600, written atomically),
+    else a random one for this process's life.
+
+    The state directory is made 0700 if missing, and a secret is adopted
+    from it only when it is private (this user's, no one else can write to
+    it: :mod:`kvstore.private_paths`), else :class:`UntrustedPath`: another
+    user who planted the secret would know every tenant's keys, and could
+    forge their blocks."""
     if config.daemon.key_secret:
+        if weak := weak_secret(config.daemon.key_secret):
+            raise ConfigError(f"daemon.key_secret: {weak}")   # never echoed: it is a secret
         return config.daemon.key_secret.encode()
     state = config.state_path
     if state is None:
@@ -184,21 +194,21 @@ def load_key_secret(config: Config) -> bytes:
             log.warning("no state directory and no key_secret: tenants' Redis blocks are unreachable "
                         "after a restart (set key_secret, or state_dir)")
         return secrets.token_bytes(32)
-    os.makedirs(state, mode=0o700, exist_ok=True)
+    make_private_dir(state)
     path = os.path.join(state, SECRET_NAME)
     try:
         return _read_secret(path)
     except FileNotFoundError:
         pass
     tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = create_private_file(tmp, os.O_WRONLY)
     try:
         os.write(fd, secrets.token_hex(32).encode() + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)
     try:
-        os.link(tmp, path)        # never replaces a secret another start made meanwhile
+        os.link(tmp, path)        # never replaces a secret another start made meanwhile (nor a planted link)
     except FileExistsError:
         pass
     finally:
@@ -207,7 +217,9 @@ def load_key_secret(config: Config) -> bytes:
 
 
 def _read_secret(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    """The secret kept at ``path``: a regular file this user owns, read
+    without following a link or blocking on a FIFO (:func:`open_private_file`)."""
+    fd = open_private_file(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
         if st.st_mode & 0o077:
@@ -219,4 +231,31 @@ def _read_secret(path: str) -> bytes:
     if len(raw) < 32:
         raise ConfigError(f"{path} holds no key secret (remove it to have a new one made: every "
                           "tenant's stored blocks become unreachable)")
+    if weak := weak_secret(raw.decode("latin-1")):
+        raise ConfigError(f"{path}: {weak} (remove it to have a random one made: every tenant's stored "
+                          "blocks become unreachable)")
     return raw
+
+
+MIN_SECRET_CHARS = 16       # the key secret's length floor (also checked by the config section)
+MIN_DISTINCT_CHARS = 8      # a random 16-character hex secret has fewer 1% of the time, a 32-character one ~never
+
+
+def weak_secret(secret: str) -> str | None:
+    """Why ``secret`` is too guessable to derive every tenant's keys from, or
+    None. Only what can be judged without a dictionary: too short, too few
+    distinct characters (``aaaaaaaaaaaaaaaa``), or one shorter string
+    repeated (``abcdefghabcdefgh``). Rejected: a floor of 16 distinct
+    characters or 32 characters (a random 32-character hex secret has all 16
+    hex digits only 7% of the time, and existing 16-character secrets
+    would all be refused)."""
+    how = "make a random one, e.g. `openssl rand -hex 32`, or leave it empty to have one made and kept"
+    if len(secret) < MIN_SECRET_CHARS:
+        return f"too short (at least {MIN_SECRET_CHARS} characters); {how}"
+    if len(set(secret)) < MIN_DISTINCT_CHARS:
+        return f"too guessable: only {len(set(secret))} distinct characters (at least {MIN_DISTINCT_CHARS}); {how}"
+    period = next((n for n in range(1, len(secret) // 2 + 1)
+                   if len(secret) % n == 0 and secret == secret[:n] * (len(secret) // n)), None)
+    if period is not None:
+        return f"too guessable: one {period}-character string repeated; {how}"
+    return None

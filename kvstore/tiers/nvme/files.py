@@ -17,6 +17,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvstore.errors import TierUnavailable
+from kvstore.private_paths import (
+    UntrustedPath,
+    check_private_dir,
+    check_private_fd,
+    described,
+    make_private_dir,
+    trusted_uids,
+)
 from kvstore.record import RecordHeader
 from kvstore.tiers.nvme.config import NvmeConfig
 from kvstore.tiers.nvme.counters import NvmeCounters
@@ -37,11 +45,17 @@ log = logging.getLogger("kvstore.tiers.nvme")
 
 def open_dir(config: NvmeConfig) -> int:
     """The tier's directory (made, mode 0700, unless read-only), opened and
-    locked; its fd. The lock lasts until the fd is closed."""
-    if not config.read_only:
-        os.makedirs(config.path, mode=0o700, exist_ok=True)
+    locked; its fd. The lock lasts until the fd is closed. Only a directory
+    this user owns and no other user can write to is opened
+    (:mod:`kvstore.private_paths`: its segments are served as hits), else
+    :class:`~kvstore.private_paths.UntrustedPath`."""
+    if config.read_only:
+        check_private_dir(config.path)
+    else:
+        make_private_dir(config.path)
     fd = os.open(config.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        check_private_fd(fd, config.path)
         lock_dir(fd, config.path, shared=config.read_only)
     except BaseException:
         os.close(fd)
@@ -50,21 +64,24 @@ def open_dir(config: NvmeConfig) -> int:
 
 
 def unusable_dir(path: str, *, create: bool, need_write: bool = True) -> str | None:
-    """Why ``path`` cannot be a tier's directory, in words (no errno, no path:
-    the caller names the setting or flag), or None when it can. ``create``
-    makes it first (0700, like the tier); ``need_write``: a read-only one is
-    unusable (a daemon serves a read-only one as it is, so it passes False)."""
-    if create:
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except FileExistsError:
-            return "cannot use it: not a directory"
-        except OSError as exc:
-            return f"cannot create it: {os.strerror(exc.errno) if exc.errno else exc}"
-    if not os.path.exists(path):
-        return "cannot use it: no such directory"
-    if not os.path.isdir(path):
+    """Why ``path`` cannot be a tier's directory, in words (no errno; the
+    caller names the setting or flag, and the path unless the fault is in
+    another one, a parent, which is then named), or None when it can.
+    ``create`` makes it first (0700, like the tier); ``need_write``: a
+    read-only one is unusable (a daemon serves a read-only one as it is, so
+    it passes False). A directory another user owns or can write to (or can
+    swap) is unusable: see :mod:`kvstore.private_paths`."""
+    if os.path.exists(path) and not os.path.isdir(path):
         return "cannot use it: not a directory"
+    try:
+        if create:
+            make_private_dir(path)
+        elif not check_private_dir(path):
+            return "cannot use it: no such directory"
+    except UntrustedPath as exc:
+        return exc.seen_from(path)
+    except OSError as exc:
+        return f"cannot {'create' if create else 'use'} it: {os.strerror(exc.errno) if exc.errno else exc}"
     if need_write and not os.access(path, os.W_OK | os.X_OK):
         return "cannot use it: not writable"
     return None
@@ -119,10 +136,13 @@ def open_segment_file(config: NvmeConfig, sid: int, name: str, counters: NvmeCou
     ro, tier = config.read_only, config.name
     fd, frozen = _open_fd(path, ro, tier)
     st = os.fstat(fd) if fd >= 0 else None
-    if st is None or not stat.S_ISREG(st.st_mode):
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_uid not in trusted_uids():
         if fd >= 0:
             os.close(fd)
-        log.warning("%s: %s is not a regular file; left alone", tier, path)
+        # another user's file is not adopted, even in a private directory (it may
+        # predate a chmod): its records would be served as hits
+        log.warning("%s: %s is %s; left alone", tier, path, "not a regular file" if st is None or
+                    not stat.S_ISREG(st.st_mode) else f"another user's file ({described(st)})")
         return OpenedSegment(foreign=True)
     size = st.st_size
     framing = read_framing(fd, size)

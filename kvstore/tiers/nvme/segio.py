@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from kvstore.keys import BlockKey
+from kvstore.private_paths import create_private_file
 from kvstore.record import BlockSpec, RecordHeader, make_header
 from kvstore.tiers.nvme.config import NvmeConfig
 from kvstore.tiers.nvme.files import read_worker
@@ -68,7 +69,7 @@ class SegmentIO:
         ``dir_synced`` in :meth:`write_group`)."""
         path = os.path.join(self.path, segment_name(sid))
         framing = new_framing()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = create_private_file(path, os.O_RDWR)   # O_EXCL: never through a planted link or file
         try:
             if os.pwrite(fd, pack_segment_header(framing), 0) != SEGMENT_HEADER_BYTES:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
