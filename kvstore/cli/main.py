@@ -40,25 +40,27 @@ def keys(identity_path: str, tokens_path: str, block_size: int | None) -> None:
 @click.option("--nvme-path", required=True, type=click.Path(exists=True, file_okay=False),
               help="The NVMe tier's directory.")
 @click.option("--fix", is_flag=True, help="Drop the corrupt blocks found (with tombstones), truncate torn "
-              "tails, rewrite segments with unreadable regions, then verify again. Without it the "
-              "directory is only read (nothing is written, not even a lock file).")
+              "tails, rewrite segments with unreadable regions, rewrite a damaged session journal as its "
+              "state before the damage, then verify again. Without it the directory is only read "
+              "(nothing is written, not even a lock file).")
 def check(nvme_path: str, fix: bool) -> None:
-    """Verify every record of an NVMe tier directory (checksums, index); exit 1 on problems
-    (with --fix: on problems that remain after fixing). Run it while no store or daemon uses
-    the directory (it takes the tier's directory lock)."""
+    """Verify every record of an NVMe tier directory (checksums, index) and its session
+    journal; exit 1 on problems (with --fix: on problems that remain after fixing). Run it
+    while no store or daemon uses the directory (it takes the tier's directory lock)."""
     import asyncio  # noqa: PLC0415
 
+    from kvstore.sessions.repair import JournalReport, check_journal  # noqa: PLC0415
     from kvstore.tiers.nvme import CheckReport, NvmeConfig, NvmeTier  # noqa: PLC0415
 
-    async def run() -> tuple[CheckReport, int]:
+    async def run() -> tuple[CheckReport, int, JournalReport]:
         tier = await NvmeTier.open(NvmeConfig(path=nvme_path, capacity_bytes=_check_capacity(nvme_path),
                                               read_only=not fix))
-        try:
-            return await tier.check(fix=fix), tier.counters.torn_bytes
+        try:   # the journal under the tier's lock too: no daemon appends to it meanwhile
+            return await tier.check(fix=fix), tier.counters.torn_bytes, check_journal(nvme_path, fix=fix)
         finally:
             await tier.close()
     try:
-        report, truncated = asyncio.run(run())
+        report, truncated, journal = asyncio.run(run())
     except (KVStoreError, OSError) as exc:
         _fail(exc)
     click.echo(f"segments {report.segments}, records {report.records}, live blocks {report.live_blocks}, "
@@ -69,12 +71,14 @@ def check(nvme_path: str, fix: bool) -> None:
         # a typo'd path would otherwise read as a healthy tier
         click.echo(f"note: no segment files (*.seg) in {nvme_path}: an empty tier, or not an NVMe tier's "
                    "directory", err=True)
-    for problem in report.problems:
+    click.echo(journal.summary())
+    for problem in [*report.problems, *journal.problems]:
         click.echo(f"problem: {problem}")
     if fix:
-        for problem in report.remaining:
+        for problem in [*report.remaining, *journal.remaining]:
             click.echo(f"not fixed: {problem}")
-    sys.exit(1 if (report.remaining if fix else report.problems) else 0)
+    bad = (report.remaining or journal.remaining) if fix else (report.problems or journal.problems)
+    sys.exit(1 if bad else 0)
 
 
 def _check_capacity(nvme_path: str) -> int:

@@ -41,6 +41,7 @@ from kvstore.units import finite
 MAX_TASK_ID = 128           # characters
 MAX_STEPS = 1 << 16         # per task: a runaway agent cannot grow the ledger without bound
 MAX_CHECKPOINTS = 256       # per task
+MAX_STEP_KEYS = 1 << 16     # blocks one appended step may hold: a journal record stays bounded (see .journal)
 HOLD_FACTOR, HOLD_GRACE_S = 2.0, 10.0
 MAX_TOOL_S = 1e7            # a tool call's expected seconds: under four months (a trace, the wire, a request)
 # A paused task's blocks are prefetched back into the fastest tier this long
@@ -107,26 +108,54 @@ def check_task_id(task_id: object) -> str:
 
 class SessionLedger:
     """Live tasks and the references they hold, per tenant. ``max_tasks``,
-    ``max_refs`` and ``max_steps`` bound what one tenant may hold (a daemon
-    sets them: held blocks are never evicted, so an unbounded tenant could
-    keep the whole cache for itself, and steps cost memory and journal);
-    ``None`` is no bound. A refused call changes nothing: every check runs
-    before the first change."""
+    ``max_refs``, ``max_steps`` and ``max_checkpoints`` bound what one tenant
+    may hold (a daemon sets them: held blocks are never evicted, so an
+    unbounded tenant could keep the whole cache for itself, and steps and
+    checkpoints cost memory, journal and compaction time); ``max_hold_s``
+    caps how long a paused task holds its blocks whatever its tool time (a
+    daemon sets the pin TTL cap: a hold is a pin). ``None`` is no bound. A
+    refused call changes nothing: every check runs before the first change."""
 
     def __init__(self, *, max_tasks: int | None = None, max_refs: int | None = None,
-                 max_steps: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_steps = max_steps
+                 max_steps: int | None = None, max_checkpoints: int | None = None,
+                 max_hold_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_steps, self.max_checkpoints = max_steps, max_checkpoints
+        self._max_hold_s = max_hold_s
         self._tasks_of: Counter = Counter()     # tenant -> live tasks
         self._steps_of: Counter = Counter()     # tenant -> steps of its live tasks
+        self._checkpoints_of: Counter = Counter()   # tenant -> checkpoints of its live tasks
         self._tasks: dict[tuple[str, str], Task] = {}
         self._refs: Counter = Counter()     # block key -> references held by live tasks
-        self._holders: dict[Hashable, Counter] = {}   # block key -> (tenant, task) -> references
+        # block key -> (tenant, task) -> references (plain dicts: an append of 16K keys runs on the loop)
+        self._holders: dict[Hashable, dict[tuple[str, str], int]] = {}
         self.clock = clock
         self._per_tenant: Counter = Counter()   # tenant -> references its tasks hold
         self.max_tasks, self.max_refs = max_tasks, max_refs
         self._version = 0            # bumped by every pause and wake: the due set is stale then
         self._due_version, self._due_at = -1, -math.inf
         self._due: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def max_hold_s(self) -> float | None:
+        return self._max_hold_s
+
+    @max_hold_s.setter
+    def max_hold_s(self, cap: float | None) -> None:
+        """Set the cap; the holds of tasks paused already (a replayed journal's)
+        are cut to it from now, so no hold outlives the cap once it is set."""
+        if cap is not None and not (isinstance(cap, (int, float)) and cap >= 0 and not math.isnan(cap)):
+            raise SessionError(f"max_hold_s must be seconds >= 0 or None, got {cap!r}")
+        self._max_hold_s = cap
+        if cap is not None:
+            now = self.clock()
+            for task in self._tasks.values():
+                if task.state == "paused":
+                    task.hold_until = min(task.hold_until, now + cap)
+
+    def hold_for(self, expected_tool_s: float, *, worth_keeping: bool = True) -> float:
+        """:func:`hold_s`, capped by :attr:`max_hold_s`."""
+        held = hold_s(expected_tool_s, worth_keeping=worth_keeping)
+        return held if self._max_hold_s is None else min(held, self._max_hold_s)
 
     # -- queries ---------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -240,6 +269,8 @@ class SessionLedger:
         if idem in task.idems:
             return False             # a retry changes nothing, not even the task's state
         new = Step(check_task_id(step), idem, tuple(keys))
+        if len(new.keys) > MAX_STEP_KEYS:
+            raise SessionError(f"a step holds at most {MAX_STEP_KEYS} blocks, got {len(new.keys)}: split it")
         if len(task.steps) >= MAX_STEPS:
             raise SessionError(f"task {task_id[:32]!r} has {MAX_STEPS} steps: end it or roll back")
         self._check_room(tenant, refs=len(new.keys), steps=1)
@@ -275,8 +306,11 @@ class SessionLedger:
     def checkpoint(self, tenant: str, task_id: str, name: str) -> None:
         name = check_task_id(name)
         task = self.task(tenant, task_id)
-        if name not in task.checkpoints and len(task.checkpoints) >= MAX_CHECKPOINTS:
-            raise SessionError(f"task {task_id[:32]!r} has {MAX_CHECKPOINTS} checkpoints")
+        if name not in task.checkpoints:
+            if len(task.checkpoints) >= MAX_CHECKPOINTS:
+                raise SessionError(f"task {task_id[:32]!r} has {MAX_CHECKPOINTS} checkpoints")
+            self._check_room(tenant, checkpoints=1)
+            self._checkpoints_of[tenant] += 1
         task.checkpoints[name] = len(task.steps)
 
     def rollback(self, tenant: str, task_id: str, name: str) -> list[Hashable]:
@@ -292,7 +326,9 @@ class SessionLedger:
         del task.steps[keep:]
         task.idems.difference_update(s.idem for s in dropped)
         self._steps_of[tenant] -= len(dropped)
-        task.checkpoints = {n: i for n, i in task.checkpoints.items() if i <= keep}
+        kept = {n: i for n, i in task.checkpoints.items() if i <= keep}
+        self._checkpoints_of[tenant] -= len(task.checkpoints) - len(kept)
+        task.checkpoints = kept
         return self._release(tenant, task_id, [k for s in dropped for k in s.keys])
 
     def pause(self, tenant: str, task_id: str, now: float, expected_tool_s: float, *,
@@ -305,7 +341,7 @@ class SessionLedger:
         task = self.task(tenant, task_id)
         self._version += 1
         task.state, task.resume_at = "paused", now + float(expected_tool_s)
-        task.hold_until = now + hold_s(float(expected_tool_s), worth_keeping=worth_keeping)
+        task.hold_until = now + self.hold_for(float(expected_tool_s), worth_keeping=worth_keeping)
         task.paused_at, task.tool_s = now, float(expected_tool_s)
 
     def resume(self, tenant: str, task_id: str) -> Task:
@@ -328,6 +364,7 @@ class SessionLedger:
             del self._tasks[(tenant, t.task_id)]
             self._tasks_of[tenant] -= 1
             self._steps_of[tenant] -= len(t.steps)
+            self._checkpoints_of[tenant] -= len(t.checkpoints)
             freed += self._release(tenant, t.task_id, list(t.keys()))
         if root.parent is not None and (tenant, root.parent) in self._tasks:
             self._tasks[(tenant, root.parent)].children.discard(task_id)
@@ -339,14 +376,31 @@ class SessionLedger:
             self._version += 1
             task.state, task.resume_at, task.hold_until = "running", None, math.inf
 
-    def _check_room(self, tenant: str, *, tasks: int = 0, refs: int = 0, steps: int = 0) -> None:
+    def _check_room(self, tenant: str, *, tasks: int = 0, refs: int = 0, steps: int = 0,
+                    checkpoints: int = 0) -> None:
         """Raise before any change when the call would pass a tenant bound."""
         for bound, have, more, what in ((self.max_tasks, self._tasks_of, tasks, "live tasks"),
                                         (self.max_refs, self._per_tenant, refs, "block references"),
-                                        (self.max_steps, self._steps_of, steps, "steps")):
+                                        (self.max_steps, self._steps_of, steps, "steps"),
+                                        (self.max_checkpoints, self._checkpoints_of, checkpoints,
+                                         "checkpoints")):
             if more and bound is not None and have[tenant] + more > bound:
                 raise SessionError(f"this tenant's tasks would hold more than {bound} {what}, "
                                    "the limit: end or roll back some")
+
+    def extend_step(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> None:
+        """More blocks of the task's last step: a compacted journal writes a
+        step holding more than one record's worth (a fork's inherited blocks)
+        as an ``append`` and ``extend`` records. Not a session call."""
+        task = self.task(tenant, task_id)
+        if not task.steps:
+            raise SessionError(f"task {task_id[:32]!r} has no step to extend")
+        self._check_room(tenant, refs=len(keys))
+        last = task.steps[-1]
+        last.keys += tuple(keys)
+        self._refs.update(keys)
+        self._per_tenant[tenant] += len(keys)
+        self._hold(keys, (tenant, task_id))
 
     def _add_step(self, task: Task, step: Step) -> None:
         tenant = task.tenant
@@ -355,8 +409,16 @@ class SessionLedger:
         self._steps_of[tenant] += 1
         self._refs.update(step.keys)
         self._per_tenant[tenant] += len(step.keys)
-        for k in step.keys:
-            self._holders.setdefault(k, Counter())[(tenant, task.task_id)] += 1
+        self._hold(step.keys, (tenant, task.task_id))
+
+    def _hold(self, keys: Iterable[Hashable], who: tuple[str, str]) -> None:
+        holders = self._holders
+        for k in keys:
+            h = holders.get(k)
+            if h is None:
+                holders[k] = {who: 1}
+            else:
+                h[who] = h.get(who, 0) + 1
 
     def _release(self, tenant: str, task_id: str, keys: Sequence[Hashable]) -> list[Hashable]:
         self._per_tenant[tenant] -= len(keys)
@@ -383,12 +445,17 @@ class SessionLedger:
         return freed
 
     def stats(self) -> dict:
-        return {"tasks": len(self._tasks), "held_blocks": len(self._refs),
-                "paused": sum(t.state == "paused" for t in self._tasks.values())}
+        """``paused_holding``: paused tasks whose hold has not run out yet."""
+        now = self.clock()
+        paused = [t for t in self._tasks.values() if t.state == "paused"]
+        return {"tasks": len(self._tasks), "held_blocks": len(self._refs), "paused": len(paused),
+                "paused_holding": sum(now < t.hold_until for t in paused),
+                "checkpoints": sum(self._checkpoints_of.values())}
 
     def tenant_stats(self, tenant: str) -> dict:
         """One tenant's live tasks and the block references they hold."""
-        return {"tasks": self._tasks_of.get(tenant, 0), "references": self._per_tenant.get(tenant, 0)}
+        return {"tasks": self._tasks_of.get(tenant, 0), "references": self._per_tenant.get(tenant, 0),
+                "checkpoints": self._checkpoints_of.get(tenant, 0)}
 
 
 class _DueBack:

@@ -75,6 +75,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
@@ -184,8 +185,10 @@ class RequestDriver(Generic[K]):
         if sessions is None:
             sessions = SessionLedger(clock=lambda: self.now)
         self.ledger = sessions.ledger if isinstance(sessions, SessionJournal) else sessions
-        self._apply: Callable[..., int | bool | None] = sessions.call if isinstance(sessions, SessionJournal) \
-            else lambda op, tenant, task, **args: apply(self.ledger, op, tenant, task, args)
+        # (the ledger's answer, a future settled once the call is durable, or None)
+        self._apply: Callable[..., tuple[int | bool | None, Future | None]] = sessions.submit \
+            if isinstance(sessions, SessionJournal) \
+            else lambda op, tenant, task, **args: (apply(self.ledger, op, tenant, task, args), None)
         planner.sessions = self.ledger
         self.admission = admission
         self.worth_keeping = worth_keeping
@@ -227,7 +230,19 @@ class RequestDriver(Generic[K]):
         """One session call (an op of :data:`~kvstore.sessions.ledger.CALLS`)
         at ``now``: what the ledger answers (``begin`` / ``fork``: whether
         the task has a session; see the module doc for admission). A
-        ``pause`` is timed at ``now`` and scheduled back."""
+        ``pause`` is timed at ``now`` and scheduled back. Returns once the
+        call is journalled (where there is a journal)."""
+        out, durable = self.session_submit(op, tenant, task, args, now)
+        if durable is not None:
+            durable.result()
+        return out
+
+    def session_submit(self, op: str, tenant: str, task: str, args: dict, now: float
+                       ) -> tuple[int | bool | None, Future | None]:
+        """:meth:`session` without the wait: the answer, and a future settled
+        once the call is journalled (None: nothing to wait for). Whoever
+        acknowledges the call waits on it first (the daemon awaits it, off
+        the loop's back)."""
         self.now = now
         args = dict(args)
         hit_rate, new_only = args.pop("hit_rate", None), args.pop("new_only", False)
@@ -237,7 +252,7 @@ class RequestDriver(Generic[K]):
         if who in self._refused or (op == "join" and (tenant, args.get("child")) in self._refused):
             if op == "end":
                 self._refused.pop(who, None)
-            return _NOOP.get(op)
+            return _NOOP.get(op), None
         if op == "append":
             if self.admission is not None and isinstance(hit_rate, (int, float)) and self.ledger.has(*who):
                 self.admission.on_request_done(self._root(who), min(1.0, max(0.0, float(hit_rate))))
@@ -249,12 +264,12 @@ class RequestDriver(Generic[K]):
         elif op in ("end", "join"):
             gone = (tenant, args.get("child")) if op == "join" else who
             tree = self._subtree(*gone) if self.ledger.has(*gone) else tree
-        out = self._apply(op, tenant, task, **args)
+        out, durable = self._apply(op, tenant, task, **args)
         if op == "pause":
             self._schedule(who, now + float(args["tool_s"]) - RETURN_LEAD_S)
         elif op in ("end", "join"):
             self._ended(tree, op == "end")
-        return out
+        return out, durable
 
     def due(self, now: float) -> list[Prefetch[K]]:
         """The prefetches of every paused task due back by ``now``, together
@@ -299,8 +314,8 @@ class RequestDriver(Generic[K]):
         return out
 
     # -- internals -------------------------------------------------------------
-    def _start(self, op: str, tenant: str, task: str, args: dict) -> bool:
-        """begin / fork, with admission."""
+    def _start(self, op: str, tenant: str, task: str, args: dict) -> tuple[bool, Future | None]:
+        """begin / fork, with admission (and the future of its journal record)."""
         child = check_task_id(args.get("child")) if op == "fork" else task
         parent = task if op == "fork" else args.get("parent")
         who = (tenant, child)
@@ -308,11 +323,11 @@ class RequestDriver(Generic[K]):
         if self.admission is None or live or (parent is not None and self.ledger.has(tenant, parent)):
             if live and op == "fork" and self.ledger.task(*who).parent is None \
                     and self._roots.get(who) == self._root((tenant, task)):
-                return True               # a retried fork of a child that began on its own (below)
-            self._apply(op, tenant, task, **args)
+                return True, None         # a retried fork of a child that began on its own (below)
+            _, durable = self._apply(op, tenant, task, **args)
             if self.admission is not None and not live and parent is not None:
                 self._roots[who] = self._root((tenant, parent))
-            return True
+            return True, durable
         if parent is not None and (tenant, parent) not in self._refused:
             self.ledger.task(tenant, parent)       # raises TaskNotFound: no such parent
         root = self._root((tenant, parent)) if parent is not None else who
@@ -321,12 +336,12 @@ class RequestDriver(Generic[K]):
             self._refused.move_to_end(who)
             if len(self._refused) > MAX_REFUSED:
                 self._refused.popitem(last=False)
-            return False
+            return False, None
         self._refused.pop(who, None)
-        self._apply("begin", tenant, child)        # a refused parent has nothing to share
+        _, durable = self._apply("begin", tenant, child)   # a refused parent has nothing to share
         if root != who:
             self._roots[who] = root
-        return True
+        return True, durable
 
     def _root(self, who: tuple[str, str]) -> tuple[str, str]:
         return self._roots.get(who, who)
