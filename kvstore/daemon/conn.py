@@ -1,6 +1,8 @@
 """One client connection's state on the daemon: its socket and peer, its
 tenant once authenticated, and the memory it holds (a receive buffer and a
-shared-memory segment), every byte of which is counted against the tenant.
+shared-memory segment), every byte of which is counted against the tenant
+(a segment's pages are freed when it is let go, so a client that kept it
+holds nothing the daemon paid for: :mod:`kvstore.daemon.shm`).
 
 Loop only. The buffers belong to the connection's one request at a time:
 the store copies out of a PUT buffer before ``aput`` returns and fills a
@@ -15,7 +17,7 @@ import socket
 import numpy as np
 
 from kvstore.daemon.limits import DaemonLimits
-from kvstore.daemon.shm import unmap_later
+from kvstore.daemon.shm import release_later
 from kvstore.daemon.tenants import Tenant
 from kvstore.identity import CacheIdentity
 
@@ -70,10 +72,17 @@ class Conn:
         self.shm = np.frombuffer(mapped, dtype=np.uint8)
 
     def drop_shm(self) -> None:
-        if self.shm_map is not None and self.tenant is not None:
+        """Let the segment go: its pages are freed on the segment thread (even
+        if the client kept the descriptor or its mapping: then it holds an
+        empty file), in the tenant's turn, before any segment the tenant asks
+        for next is made, so what the tenant holds never exceeds its count.
+        Freeing can take longer than a request: never on the loop."""
+        if self.shm_map is None:
+            return
+        if self.tenant is not None:              # always: only an authenticated connection attaches
             self.tenant.give_shm(len(self.shm_map))
-        self.shm = None
-        unmap_later(self.shm_map)   # freeing the pages can take longer than a request
+        self.shm = None                          # the view goes first: it would keep the mapping open
+        release_later(self.tenant.name if self.tenant is not None else "", self.shm_map)
         self.shm_map = None
 
     def close(self) -> None:
