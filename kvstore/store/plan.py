@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvstore.policies.base import EvictionPolicy
+from kvstore.tiers.base import Room
 
 K = TypeVar("K", bound=Hashable)   # a block key (BlockKey in the store; a trace's hash id in a replay)
 
@@ -55,6 +56,9 @@ class TierPlan:
     # room by itself (NVMe: a delete is a tombstone, and a refusal there is a
     # disk short of space or every segment pinned, which evicting cannot fix).
     retry_when_full: bool = True
+    # What the tier says to evict after refusing a write of n bytes for space
+    # (tiers.base.Room; None: any eviction frees room, evict by the order).
+    room_for: Callable[[int], Room | None] = lambda nbytes: None
     used: int = 0
     writes: int = 0          # blocks written in (stores and copies)
     reads: int = 0           # hits served from here (tier > 0: loads)

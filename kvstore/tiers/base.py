@@ -27,10 +27,13 @@ Contract, tested for every tier by ``tests/tiers/contract.py``:
   every one ``STORED`` and readable, evicting none of them by itself, and then
   holds ``used_bytes`` between their payload bytes and their footprints plus
   ``capacity_bytes - budget_bytes``.
+* ``room_for(n)`` after a ``NO_SPACE`` names what to evict so a block of
+  ``n`` bytes fits (a :class:`Room`), or None for no advice; it never
+  changes the tier.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
@@ -40,6 +43,25 @@ from kvstore.errors import BlockNotFound, InvalidBlock
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import HEADER_BYTES, BlockSpec, RecordHeader, as_bytes_view, check_size
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A full tier's advice on a write it refused for space (``room_for``):
+    what the planner evicts so the write fits, where evicting by its own
+    order could free nothing useful (a DRAM slab: a block of another size
+    class frees a slot no block of this size can use).
+
+    The planner tries, in turn: ``fits`` (room now: write again, evict
+    nothing); each group of ``pages`` (evict every key of the first group
+    none of whose keys it must keep: those blocks free one whole slab page);
+    one key of ``among``, the coldest by its order (it frees one slot of this
+    size). Nothing of these: no eviction in this tier makes room, the write
+    falls through to the next tier."""
+
+    fits: bool = False
+    pages: tuple[tuple[Hashable, ...], ...] = ()
+    among: Container[Hashable] | None = None
 
 
 @runtime_checkable
@@ -64,6 +86,10 @@ class Tier(Protocol):
     def footprint(self, nbytes: int) -> int | None:
         """Bytes of the budget one block of ``nbytes`` takes here (``>= nbytes``),
         or None if this tier can never store it (the store then skips the tier)."""
+    def room_for(self, nbytes: int) -> Room | None:
+        """After a write of ``nbytes`` was refused for space: what to evict so
+        it fits (:class:`Room`), or None when any block's eviction frees room
+        (the planner evicts by its order). Answers from memory, changes nothing."""
     def iter_keys(self) -> Iterator[BlockKey]:
         """A snapshot of the keys held."""
     def iter_owners(self) -> Iterator[tuple[BlockKey, int, int]]:
@@ -140,6 +166,10 @@ class TierOps:
         stored here. Default: its record, header included."""
         need = HEADER_BYTES + nbytes
         return need if need <= self.capacity_bytes else None  # type: ignore[attr-defined]
+
+    def room_for(self, nbytes: int) -> Room | None:
+        """No advice: a tier whose room is bytes frees room by any block's eviction."""
+        return None
 
     async def put(self: Tier, spec: BlockSpec, key: BlockKey, payload: object) -> PutOutcome:
         return (await self.put_many(spec, [key], [payload]))[0]

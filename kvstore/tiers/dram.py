@@ -7,11 +7,22 @@ is one memcpy into the arena and a get one memcpy out.
 No checksum is computed here: DRAM does not tear, and hashing 2 MiB would
 cost ~40% of the copy; a slower tier computes its own when a block is demoted.
 
+Slab pages and fairness: a block size that needs a page when none is free
+makes a put answer ``NO_SPACE``; :meth:`DramTier.room_for` then tells the
+planner which blocks to evict. First the blocks of the sparsest page of
+another size (under half full: see :mod:`kvstore.tiers.slab`), so small
+blocks kept warm cannot hold pages against everyone else's blocks; else one
+block of the refused block's own size (each frees a slot it can use, where
+a block of another size would free nothing); else nothing (a size with no
+page here gets one only from the free pool or a sparse page; its block goes
+to the next tier).
+
 Threading: coroutine methods run on one event loop; copies run inline (a
 2 MiB memcpy is ~0.1-0.3 ms, cheaper than a thread hop).
 """
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Annotated, Iterator, Literal, Sequence
 
 from pydantic import Field
@@ -21,7 +32,7 @@ from kvstore.keys import BlockKey
 from kvstore.outcomes import GetOutcome, PutOutcome
 from kvstore.record import BlockSpec, RecordHeader, check_layout, make_header
 from kvstore.schema import Section, Size
-from kvstore.tiers.base import TierOps, check_batch
+from kvstore.tiers.base import Room, TierOps, check_batch
 from kvstore.tiers.slab import SlabAllocator, slot_size
 
 DEFAULT_PAGE_BYTES = 64 << 20
@@ -47,6 +58,7 @@ class DramTier(TierOps):
         self._mv = self._arena.data         # slice assignment on a memoryview is a plain memcpy
         self._alloc = SlabAllocator(config.capacity_bytes, min(config.page_bytes, config.capacity_bytes))
         self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}
+        self._page_keys: dict[int, set[BlockKey]] = {}   # page base -> keys of its live slots (room_for)
 
     @property
     def capacity_bytes(self) -> int:
@@ -64,6 +76,18 @@ class DramTier(TierOps):
             return None
         per_page = self._alloc.page_bytes // slot_size(nbytes)
         return -(-self._alloc.page_bytes // per_page)
+
+    def room_for(self, nbytes: int) -> Room | None:
+        """What to evict so a block of ``nbytes`` fits (see the module doc):
+        the live blocks of each sparse page of another size, sparsest first;
+        else one block of this size; else nothing helps."""
+        if not self._alloc.admits(nbytes):
+            return Room()
+        if self._alloc.can_alloc(nbytes):
+            return Room(fits=True)
+        pages = tuple(tuple(self._page_keys[base]) for base in self._alloc.sparse_pages(nbytes))
+        among = _SameSlot(self._index, slot_size(nbytes)) if self._alloc.holds_class(nbytes) else None
+        return Room(pages=pages, among=among)
 
     def iter_keys(self) -> Iterator[BlockKey]:
         return iter(list(self._index))
@@ -92,6 +116,7 @@ class DramTier(TierOps):
                 continue
             self._mv[off:off + spec.nbytes] = view
             self._index[key] = (off, make_header(key, spec, view, flags=0, csum=0))
+            self._page_keys.setdefault(self._alloc.page_of(off), set()).add(key)
             out.append(PutOutcome.STORED)
         return out
 
@@ -117,6 +142,11 @@ class DramTier(TierOps):
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._alloc.free(entry[0])
+                base = self._alloc.page_of(entry[0])
+                on_page = self._page_keys[base]
+                on_page.discard(key)
+                if not on_page:
+                    del self._page_keys[base]
             out.append(entry is not None)
         return out
 
@@ -126,3 +156,16 @@ class DramTier(TierOps):
 
     async def close(self) -> None:
         await self.delete_many(list(self._index))  # frees every slot: used_bytes back to 0
+
+
+class _SameSlot(Container[BlockKey]):
+    """The keys held in slots of one size: a view over the tier's index (no copy)."""
+
+    __slots__ = ("_index", "_size")
+
+    def __init__(self, index: dict[BlockKey, tuple[int, RecordHeader]], size: int) -> None:
+        self._index, self._size = index, size
+
+    def __contains__(self, key: object) -> bool:
+        entry = self._index.get(key)  # type: ignore[call-overload]
+        return entry is not None and slot_size(entry[1].raw_len) == self._size

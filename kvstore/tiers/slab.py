@@ -9,6 +9,17 @@ Rejected: a first-fit / buddy allocator over the whole arena (fragments under
 churn and searches on the hot path) and one numpy array per block (page
 faults on every put: ~2.8 us per 4 KiB page here, slower than the copy).
 
+Pages are not pinned by a lone slot (issue 25, slab squatting): a page whose
+live slots fill less than half of it is *sparse*, and a class that needs a
+page when none is free is shown the sparse pages of other classes
+(:meth:`SlabAllocator.sparse_pages`), sparsest first, so that the store can
+evict their few blocks and hand the page over. So one tenant keeping one small
+block warm in each of 15 sizes no longer holds 15 pages against the blocks of
+everyone else: under pressure its blocks pin at most twice their slots' bytes.
+A dense page (half full or more) is never taken from its class for a class
+that holds no page: evicting hundreds of blocks for one block of a new size
+would let a single small put flush another model's DRAM.
+
 Pure bookkeeping: offsets in, offsets out; no bytes are touched here.
 """
 from __future__ import annotations
@@ -62,6 +73,25 @@ class SlabAllocator:
         free = sum(len(self._pages[b].free) for b in self._class_pages.get(size, ()))
         free += len(self._free_pages) * (self.page_bytes // size)
         return free >= count
+
+    def page_of(self, offset: int) -> int:
+        """The base of the page holding the slot at ``offset``."""
+        return offset - offset % self.page_bytes
+
+    def holds_class(self, nbytes: int) -> bool:
+        """Whether the size class of ``nbytes`` owns at least one page."""
+        size = slot_size(nbytes)
+        return any(s == size for s in self._page_class.values())
+
+    def sparse_pages(self, nbytes: int) -> list[int]:
+        """Bases of the pages of *other* size classes than ``nbytes``'s whose
+        live slots fill less than half of the page, fewest live bytes first:
+        the pages whose blocks a store may evict to give this class a page
+        (each such page's blocks pin more than twice the bytes they hold)."""
+        size = slot_size(nbytes)
+        sparse = [(page.live * cls, base) for base, page in self._pages.items()
+                  if (cls := self._page_class[base]) != size and 2 * page.live * cls < self.page_bytes]
+        return [base for _, base in sorted(sparse)]
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a free slot for ``nbytes``, or None when the arena is full."""
