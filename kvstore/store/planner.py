@@ -87,6 +87,18 @@ from kvstore.store.plan import extra_copies as extra_copies
 _RETRIES = 16      # a write refused by a full tier is retried with 1, 2, 4, ... more evictions
 
 
+class _Outside:
+    """The keys not in ``inside``, as a Container (what an eviction passes over)."""
+
+    __slots__ = ("inside",)
+
+    def __init__(self, inside: Container[Hashable]) -> None:
+        self.inside = inside
+
+    def __contains__(self, key: object) -> bool:
+        return key not in self.inside
+
+
 class Planner(Generic[K]):
     def __init__(self, tiers: Sequence[TierPlan], placement: PlacementPolicy, *,
                  protected: Container[K] = frozenset(), sessions: SessionHints | None = None,
@@ -163,6 +175,11 @@ class Planner(Generic[K]):
     def held_anywhere(self, key: K) -> bool:
         return self.beliefs.held_anywhere(key)
 
+    def owner_of(self, key: K) -> int:
+        """The owner tag of ``key``'s block (0 for a key the planner does not know)."""
+        st = self.beliefs.keys.get(key)
+        return st.owner if st is not None else 0
+
     def keys_in(self, tier: int) -> list[K]:
         return self.beliefs.keys_in(tier)
 
@@ -211,13 +228,21 @@ class Planner(Generic[K]):
     def put(self, keys: Sequence[K], nbytes: int, owner: int = 0) -> PutPlan[K]:
         """Blocks just computed, ``nbytes`` each, of ``owner``. One past the
         owner's quota first evicts the owner's own coldest blocks (never one
-        of this batch); ``"no_room"`` when none can go."""
+        of this batch); ``"no_room"`` when none can go. A key given twice is
+        planned once: its later copies are ``"exists"`` once the first is
+        planned, else the first's status (a declined copy made room in the
+        quota again before)."""
         plan: PutPlan[K] = PutPlan()
         self.block_nbytes = nbytes
         last = len(self.tiers) - 1
         batch = frozenset(keys)
+        first: dict[K, int] = {}         # key -> the index of its first copy in this put
         self._begin()
         for key in keys:
+            i = first.setdefault(key, len(plan.status))
+            if i < len(plan.status):     # a copy of an earlier key: planned, charged and asked about once
+                plan.status.append("exists" if plan.status[i] == "planned" else plan.status[i])
+                continue
             if not self.held_anywhere(key) and not self._owner_room(owner, nbytes, batch):
                 plan.status.append("no_room")
                 continue
@@ -366,7 +391,7 @@ class Planner(Generic[K]):
         plan.writes -= 1
         self._begin()
         if full and plan.retry_when_full and plan.capacity is not None and move.attempt < _RETRIES \
-                and self._evict_some(move.tier, 1 << move.attempt):
+                and self._room_after_refusal(move.tier, nbytes, move.attempt):
             self.beliefs.write(move.key, move.tier, nbytes, owner)
             plan.writes += 1
             self._moves.append(dataclasses.replace(move, attempt=move.attempt + 1))
@@ -459,6 +484,38 @@ class Planner(Generic[K]):
                 return False
             self._evict(cast(K, victims[0]), t)
         return True
+
+    def _room_after_refusal(self, t: int, nbytes: int, attempt: int) -> bool:
+        """Evict so that tier ``t``, which refused a write of ``nbytes`` for
+        space, takes it when written again; whether to write it again. The
+        tier's advice (``room_for``, a :class:`~kvstore.tiers.base.Room`)
+        first: a DRAM slab names a sparse page's blocks, or the blocks of the
+        write's own size, since evicting a block of another size from a dense
+        page frees nothing this write can use (and lets small blocks kept
+        warm pin pages: issue 25). No advice: the order's coldest, 1, 2, 4, ..."""
+        room = self.tiers[t].room_for(nbytes)
+        if room is None:
+            return self._evict_some(t, 1 << attempt) > 0
+        if room.fits:
+            return True
+        guard = self._guard_at(t)
+        for group in room.pages:
+            keys = [cast(K, k) for k in group]
+            states = [self.beliefs.keys.get(k) for k in keys]
+            # a page frees only if every block on it goes (or is going already)
+            if any(st is None or not (st.dropping >> t & 1 or (st.resident >> t & 1 and k not in guard))
+                   for k, st in zip(keys, states)):
+                continue
+            for k in keys:
+                if self.holds(k, t):
+                    self._evict(k, t)
+            return True
+        if room.among is not None:
+            victims = self._victim(t, _Either(guard, _Outside(room.among)))
+            if victims:
+                self._evict(cast(K, victims[0]), t)
+                return True
+        return False
 
     def _evict_some(self, t: int, n: int) -> int:
         """Evict up to ``n`` blocks from tier ``t``; how many went."""

@@ -165,6 +165,7 @@ class RedisTier(TierOps):
             await self.delete_many(list(self._unlink_owed))   # breaker answers at once while down)
         out: list[PutOutcome | None] = [None] * len(keys)
         sends, reserved, seen = [], 0, set()
+        owed: int | None = None      # bytes of UNLINKs still owed (counted at the first shortfall)
         for i, (key, view) in enumerate(zip(keys, views)):
             if key in self._unlink_owed:   # its UNLINK failed and may still land (a hung server runs
                 self._unlink_owed.discard(key)   # it on waking): not held; SET NX tells which it is
@@ -175,7 +176,13 @@ class RedisTier(TierOps):
             stored, cflags = compress.encode(view, self.config.compression)
             size = HEADER_BYTES + len(stored)
             if self._ledger.used + reserved + size > self.capacity_bytes:
-                out[i] = PutOutcome.NO_SPACE
+                # short only of room that UNLINKs the server did not take would free: it
+                # is down (those just failed above), not full; NO_SPACE would have the
+                # store evict more and more for a write that cannot land anyway
+                if owed is None:
+                    owed = sum(self._ledger.sizes.get(k, 0) for k in self._unlink_owed)
+                full = self._ledger.used - owed + reserved + size > self.capacity_bytes
+                out[i] = PutOutcome.NO_SPACE if full else PutOutcome.UNAVAILABLE
                 continue
             reserved += size
             seen.add(key)
