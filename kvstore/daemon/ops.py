@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,7 @@ from kvstore.daemon.protocol import (
     bytes_field,
     keys_field,
 )
-from kvstore.daemon.shm import SEGMENT_THREAD, create_segment, round_to_pages, unmap_later
+from kvstore.daemon.shm import make_segment, round_to_pages
 from kvstore.daemon.tenants import Tenant
 from kvstore.errors import AuthFailed, InvalidBlock, KVStoreError, Overloaded, ProtocolError
 from kvstore.identity import CacheIdentity
@@ -50,6 +49,7 @@ _REKEY_SLICE = 2048    # keys re-keyed between two yields to the loop
 MAX_ENGINES_PER_TENANT = 16   # engines one tenant may report (see _engine)
 MAX_TASKS_PER_TENANT = 4096   # live agent tasks (see _session)
 MAX_STEPS_PER_TENANT = 1 << 16   # steps of them: memory and journal are bounded too
+MAX_CHECKPOINTS_PER_TENANT = 1 << 13   # checkpoints of them: memory, journal and compaction time
 _SESSION_ARGS: dict[str, type | tuple[type, ...]] = {
     "step": str, "idem": str, "child": str, "name": str, "tool_s": (int, float)}
 
@@ -73,6 +73,10 @@ class Handlers:
         self.store.sessions.max_tasks = MAX_TASKS_PER_TENANT
         self.store.sessions.max_refs = self.limits.max_pins_per_tenant
         self.store.sessions.max_steps = MAX_STEPS_PER_TENANT
+        self.store.sessions.max_checkpoints = MAX_CHECKPOINTS_PER_TENANT
+        self.store.sessions.max_hold_s = self.limits.max_pin_ttl_s   # a hold is a pin: the same cap
+        # each tenant's lookups and engine reports move the placement only as far as its share
+        self.store.set_owner_shares({t.owner: t.quota_bytes or None for t in self.tenants})
 
     async def handle(self, conn: Conn, op: Op, meta: dict, payload: memoryview) -> Reply:
         if op is Op.HELLO:
@@ -155,7 +159,8 @@ class Handlers:
     async def _lookup(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         # the store checks the hint (InvalidHint goes back to the client as a typed error)
         probe = bool_field(meta, "probe")
-        res = await self.store.alookup(await self._keys(ten, meta), followup=meta.get("followup"), probe=probe)
+        res = await self.store.alookup(await self._keys(ten, meta), followup=meta.get("followup"), probe=probe,
+                                       owner=ten.owner)    # its own working set, not the store's
         if not probe:
             ten.lookup_blocks += len(res.tiers)
             ten.lookup_hit_blocks += res.prefix_blocks
@@ -192,7 +197,8 @@ class Handlers:
         to = meta.get("to", 0)
         if isinstance(to, bool) or not isinstance(to, (str, int)) or (isinstance(to, str) and len(to) > 64):
             raise KVStoreError("prefetch target must be a tier name or index")
-        return {"moved": await self.store.aprefetch(await self._keys(ten, meta), to)}
+        # in the tenant's own lane: a flood of them holds its share of the queue, not the others'
+        return {"moved": await self.store.aprefetch(await self._keys(ten, meta), to, owner=ten.owner)}
 
     async def _pin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         ttl = meta.get("ttl_s")
@@ -213,8 +219,10 @@ class Handlers:
         """An engine of this tenant reports its own prefix cache (the HBM the
         store's placement reasons about). Bounded: a report is at most
         MAX_ENGINE_TOKENS, a tenant names at most MAX_ENGINES_PER_TENANT
-        engines (a new one retires its oldest), so no tenant can move the
-        store-wide figure without limit; with fixed thresholds it moves nothing."""
+        engines (a new one retires its oldest). The reports count toward
+        the tenant's own regime (which decides its saves) and toward the
+        store-wide one only up to the tenant's share of the store's capacity
+        (``set_owner_shares``), so no tenant's reports decline another's saves."""
         tokens, engine = meta.get("hbm_tokens"), meta.get("engine")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_ENGINE_TOKENS:
             raise KVStoreError(f"hbm_tokens must be a token count in [0, {MAX_ENGINE_TOKENS}]")
@@ -225,9 +233,11 @@ class Handlers:
         while len(names) >= MAX_ENGINES_PER_TENANT:
             oldest = next(iter(names))
             del names[oldest]
-            self.store.report_engine(0, engine=f"{ten.label}/{oldest}")
+            self.store.report_engine(0, engine=oldest, owner=ten.owner)
         names[engine] = tokens
-        return {"hbm_tokens": self.store.report_engine(tokens, engine=f"{ten.label}/{engine}")}
+        self.store.report_engine(tokens, engine=engine, owner=ten.owner)
+        # the tenant's own engines' sum: the store-wide one would tell it the other tenants' HBM
+        return {"hbm_tokens": sum(names.values())}
 
     async def _session(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         """A task session call in the tenant's own namespace: task ids are the
@@ -246,7 +256,8 @@ class Handlers:
                 args[name] = v
         if call == "append":
             args["keys"] = await self._keys(ten, meta)
-        return {"result": self.store.session_call(call, ten.name, task, args)}
+        # acknowledged once journalled: the journal's writer fsyncs, the loop serves meanwhile
+        return {"result": await self.store.asession_call(call, ten.name, task, args)}
 
     async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         keys = await self._keys(ten, meta)
@@ -278,8 +289,10 @@ class Handlers:
         return {"text": text}
 
     async def _attach(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> Reply:
-        """A shared segment for this connection: made here, sealed, mapped on a
-        worker thread, its descriptor passed back (see :mod:`kvstore.daemon.shm`)."""
+        """A shared segment for this connection: made here, sealed, mapped on the
+        segment thread in this tenant's turn, its descriptor passed back (see
+        :mod:`kvstore.daemon.shm`). The connection's previous segment is let go
+        first (its pages freed, before the new one is made)."""
         if conn.sock.family != socket.AF_UNIX:
             raise KVStoreError("shared memory needs a Unix-socket connection")
         size = meta.get("size")
@@ -289,11 +302,10 @@ class Handlers:
         size = round_to_pages(size)
         conn.drop_shm()
         ten.take_shm(size, self.limits.tenant_shm_bytes)
-        made = asyncio.get_running_loop().run_in_executor(SEGMENT_THREAD, create_segment, size)
         try:
-            fd, mapped = await asyncio.shield(made)
-        except asyncio.CancelledError:   # a drain: the segment, once made, is let go at once
-            made.add_done_callback(_discard_segment)
+            # cancelled (a drain): make_segment releases the segment once made
+            fd, mapped = await make_segment(ten.name, size)
+        except asyncio.CancelledError:
             ten.give_shm(size)
             raise
         except OSError as exc:
@@ -301,12 +313,3 @@ class Handlers:
             raise Overloaded(f"cannot make a {size}-byte shared segment: {exc}") from None
         conn.attach(mapped)
         return {"size": size}, [], [fd]
-
-
-def _discard_segment(made: asyncio.Future) -> None:
-    """Close and unmap a segment nobody will use (its request was cancelled)."""
-    if made.cancelled() or made.exception() is not None:
-        return
-    fd, mapped = made.result()
-    os.close(fd)
-    unmap_later(mapped)

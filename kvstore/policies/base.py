@@ -28,11 +28,13 @@ or a ``clock``), so every decision is reproducible in tests and in trace replay.
 """
 from __future__ import annotations
 
-from typing import Container, Hashable, Iterable, Protocol, Sequence, runtime_checkable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Container, Hashable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-from kvstore.errors import InvalidHint
+from kvstore.errors import ConfigError, InvalidHint
 
 Key = Hashable  # BlockKey (bytes) in the store; ints in trace replay
+MAX_OWNERS = 4096   # owners a placement tells apart (a daemon's tenants)
 
 
 @runtime_checkable
@@ -158,6 +160,26 @@ class PlacementPolicy(Protocol):
         capacities and counts (called once the planner is built)."""
         return None
 
+    # -- several owners (a daemon's tenants; a store of one process has one) --
+    def set_owner_shares(self, shares: Mapping[int, float]) -> None:
+        """The owners (record owner tags) whose requests and saves are to be
+        told apart, and each one's share of the store (summing to 1). A
+        placement whose decisions depend on reports and requests (the regime)
+        then lets an owner move only its own share; others ignore it."""
+        return None
+
+    def owner_scope(self, owner: int) -> AbstractContextManager[None]:
+        """A context inside which ``on_request`` and ``put_targets`` are for
+        ``owner``'s request or save (the store enters it around the one
+        synchronous planner call; the planner's signatures stay owner-free)."""
+        return nullcontext()
+
+    def on_engines(self, tokens_by_owner: Mapping[int, int]) -> None:
+        """The engines' own prefix caches, in tokens, summed per owner (the
+        store's ``report_engine``; their total is also the planner's
+        ``engine_tokens``)."""
+        return None
+
     def stats(self) -> dict:
         return {}
 
@@ -190,3 +212,21 @@ def first_present(keys: Iterable[Key], holder: Container[Key]) -> int:
             break
         n += 1
     return n
+
+
+def owner_shares(quotas: Mapping[int, int | None]) -> dict[int, float]:
+    """Each owner's share of the store (summing to 1): by quota where every
+    owner has one; an owner without a quota counts as much as the largest
+    quota (it may hold as much as anyone); equal shares when none has one."""
+    if not quotas:
+        return {}
+    if len(quotas) > MAX_OWNERS:
+        raise ConfigError(f"at most {MAX_OWNERS} owners have a regime of their own, got {len(quotas)}")
+    given = [q for q in quotas.values() if q]
+    for q in given:
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise ConfigError(f"a quota is a byte count, got {q!r}"[:200])
+    top = max(given, default=1)
+    weights = {o: float(q or top) for o, q in quotas.items()}
+    total = sum(weights.values())
+    return {o: w / total for o, w in weights.items()}

@@ -37,7 +37,23 @@ In either mode a tier whose load is not cheaper than recomputing a block
 never written to: a hit there would cost more time than it saves. Hysteresis: a regime is
 entered above ``t * (1 + h)`` and left below ``t * (1 - h)``, so a working
 set hovering at a threshold does not flap. Changes are logged (logger
-``kvstore.policies.regime``) and kept in ``stats()["timeline"]``.
+``kvstore.policies.regime``); the last ``timeline_window`` (default
+``TIMELINE_WINDOW``) are kept in ``stats()["timeline"]`` and all are counted (``regime_changes``): a client
+that flips the regime as fast as it can grows neither memory nor the STATS
+reply.
+
+Several owners (the daemon's tenants, :meth:`RegimePlacement.set_owner_shares`):
+each owner has a share of the store (by quota; equal shares when there are
+none) and a regime of its own, from its own working set (fed by its own
+lookups) against thresholds from its own engines (``auto``: t1 = the tokens
+its engines reported, t3 = t1 + its share of DRAM) or its share of the fixed
+thresholds. A save is decided by its owner's regime, so no owner's reports
+or lookups decline another's saves. The store-wide regime (evictions,
+spills, promotions ahead of a load, ``stats()``) is derived from bounded
+contributions: each owner's engine tokens and working set count up to its
+share of the store's capacity in tokens (the budgeted tiers below HBM;
+uncapped while no capacity is known). With no shares set (a store of one
+process) there is one owner and everything is as it always was.
 
 Rejected: switching on the instantaneous HBM eviction rate (it rises only
 after the damage is done, and it is zero in a cold start that will thrash).
@@ -49,12 +65,21 @@ import logging
 import math
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
 from kvstore.errors import ConfigError
-from kvstore.policies.base import NO_VIEW, PlacementPolicy, TierView, check_followup, first_present
+from kvstore.policies.base import (
+    MAX_OWNERS,
+    NO_VIEW,
+    PlacementPolicy,
+    TierView,
+    check_followup,
+    first_present,
+)
 from kvstore.policies.eviction import ClassedLRU, SegmentLRU
 from kvstore.policies.working_set import WorkingSetConfig, WorkingSetEstimator, stable_hash64
 
@@ -62,6 +87,8 @@ log = logging.getLogger(__name__)
 
 
 _NO_PASS = 1 << 30        # a min_count no block reaches: reuse evidence is no pass
+TIMELINE_WINDOW = 256     # regime changes kept in stats()["timeline"] (all are counted)
+_MIN_OWNER_KEYS = 1024    # an owner's working-set sample, however small its share
 
 
 class Regime(enum.IntEnum):
@@ -293,6 +320,7 @@ class RegimeConfig:
     order: str = "hazard"                     # lower-tier order: "segment" | "hazard" | "classed" (see make_order)
     exclusive: bool = True                    # no DRAM write-back of a block L3 still holds
     horizon_scale: float = 0.4                # hazard order: horizon = this x measured residence
+    timeline_window: int = TIMELINE_WINDOW    # regime changes kept in stats()["timeline"]
     tier_roles: Mapping[str, str] = field(default_factory=lambda: {
         "hbm": "hbm", "dram": "dram", "nvme": "l3", "redis": "l3"})
 
@@ -308,6 +336,9 @@ class RegimeConfig:
             raise ConfigError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
         if self.window_s <= 0 or self.tokens_per_key < 1:
             raise ConfigError("window_s > 0 and tokens_per_key >= 1 required")
+        if isinstance(self.timeline_window, bool) or not isinstance(self.timeline_window, int) \
+                or self.timeline_window < 1:
+            raise ConfigError(f"timeline_window must be a count >= 1, got {self.timeline_window!r}"[:200])
 
 
 def auto_thresholds(capacities: Mapping[str, int]) -> tuple[int, int, int]:
@@ -316,6 +347,28 @@ def auto_thresholds(capacities: Mapping[str, int]) -> tuple[int, int, int]:
     hbm = max(1, int(capacities.get("hbm", 0)))
     t3 = max(hbm, hbm + int(capacities.get("dram", 0)))
     return hbm, (hbm + t3) // 2, t3
+
+
+@dataclass(slots=True)
+class _OwnerRegime:
+    """One owner's side of a :class:`RegimePlacement` with several owners."""
+
+    share: float
+    ws: WorkingSetEstimator
+    regime: Regime
+    engine_tokens: int = 0
+    last_ws: int = 0
+
+
+def step_regime(regime: Regime, ws: int, thresholds: Sequence[int], hysteresis: float) -> Regime:
+    """The regime after ``regime`` for working set ``ws`` (tokens): up past
+    ``t * (1 + h)``, down below ``t * (1 - h)``, as many steps as it takes."""
+    r = int(regime)
+    while r < 3 and ws > thresholds[r] * (1 + hysteresis):
+        r += 1
+    while r > 0 and ws < thresholds[r - 1] * (1 - hysteresis):
+        r -= 1
+    return Regime(r)
 
 
 class RegimePlacement(PlacementPolicy):
@@ -355,6 +408,7 @@ class RegimePlacement(PlacementPolicy):
             raise ConfigError("RegimePlacement needs a tier to place blocks in")
         self._view: TierView = NO_VIEW
         self._fixed = tuple(config.thresholds)
+        self._engine_tokens: dict[int, int] = {}   # owner -> its engines' tokens (on_engines)
         self._ws = WorkingSetEstimator(WorkingSetConfig(window_s=config.window_s,
                                                         tokens_per_key=config.tokens_per_key),
                                        clock=clock)
@@ -362,7 +416,12 @@ class RegimePlacement(PlacementPolicy):
         self._model = ReuseModel(power=config.class_weight_power)
         self._own: set[int] = set()       # the tiers ordered by this policy's make_order
         self.regime = config.initial
-        self._timeline: list[dict] = []
+        self._timeline: deque[dict] = deque(maxlen=config.timeline_window)   # the newest changes
+        self._changes = 0                 # every change, the window's and the older ones
+        self._owners: dict[int, _OwnerRegime] = {}   # empty: one owner (a store of one process)
+        self._anonymous: _OwnerRegime | None = None  # calls naming no owner in shares (see owner_scope)
+        self._acting = 0                  # the owner of the request or save being decided (owner_scope)
+        self._owner_changes = 0           # changes of the owners' own regimes
         self._counts = {"writebacks": 0, "saves_declined": 0, "dropped": 0, "spills": 0,
                         "spill_filtered": 0, "promotions": 0}
         self._last_ws = 0
@@ -377,28 +436,137 @@ class RegimePlacement(PlacementPolicy):
                    followup: float | None = None) -> None:
         now = self._clock() if now is None else now
         followup = check_followup(followup)
-        self._ws.observe(keys, now)
+        if self._owners:      # the request's owner moves its own working set and regime only
+            own = self._owner(self._acting)
+            own.ws.observe(keys, now)
+            own.last_ws = own.ws.tokens(now)
+            new_own = step_regime(own.regime, own.last_ws, self._owner_thresholds(own), self.config.hysteresis)
+            self._owner_changes += new_own != own.regime
+            own.regime = new_own
+            ws = self._bounded_working_set(now)
+        else:
+            self._ws.observe(keys, now)
+            ws = self._ws.tokens(now)
         self._model.observe(keys, now, followup)
         for k in keys:
             self._freq.add(k)
-        self._last_ws = ws = self._ws.tokens(now)
+        self._last_ws = ws
         self._last_now = now
         new = self._next_regime(ws)
-        if new != self.regime or not self._timeline:
-            if self._timeline:
+        if new != self.regime or not self._changes:
+            if self._changes:
                 log.info("regime %s -> %s at t=%.1fs (working set %d tokens)",
                          self.regime.name, new.name, now, ws)
             self.regime = new
+            self._changes += 1
             self._timeline.append({"t_s": now, "regime": new.name, "working_set_tokens": ws})
 
     def _next_regime(self, ws: int) -> Regime:
-        h, t = self.config.hysteresis, self.thresholds
-        r = int(self.regime)
-        while r < 3 and ws > t[r] * (1 + h):
-            r += 1
-        while r > 0 and ws < t[r - 1] * (1 - h):
-            r -= 1
-        return Regime(r)
+        return step_regime(self.regime, ws, self.thresholds, self.config.hysteresis)
+
+    # -- owners (a daemon's tenants) -------------------------------------------
+    def set_owner_shares(self, shares: Mapping[int, float]) -> None:
+        """The owners whose requests and saves are told apart (``owner_scope``)
+        and each one's share of the store (see :func:`owner_shares`). Each gets
+        a regime and a working-set sample of its own (the sample sized by its
+        share: memory stays about one store's worth). An owner already known
+        keeps its regime and its working set; one not named is forgotten."""
+        if len(shares) > MAX_OWNERS:
+            raise ConfigError(f"at most {MAX_OWNERS} owners have a regime of their own, got {len(shares)}")
+        for o, share in shares.items():
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
+                raise ConfigError(f"an owner's share is in (0, 1], got {share!r} for owner {o}"[:200])
+        owners = {}
+        for o, share in shares.items():
+            old = self._owners.get(o)
+            if old is not None:
+                old.share = float(share)
+                owners[o] = old
+            else:
+                owners[o] = self._new_owner(float(share), self._engine_tokens.get(o, 0))
+        self._owners = owners
+        if not owners:
+            self._anonymous = None
+        elif self._anonymous is None:
+            self._anonymous = self._new_owner(min(shares.values()), 0)
+        else:
+            self._anonymous.share = min(shares.values())
+
+    def _new_owner(self, share: float, engine_tokens: int) -> _OwnerRegime:
+        config = WorkingSetConfig(window_s=self.config.window_s, tokens_per_key=self.config.tokens_per_key,
+                                  max_keys=max(_MIN_OWNER_KEYS, int(WorkingSetConfig().max_keys * share)))
+        return _OwnerRegime(share, WorkingSetEstimator(config, clock=self._clock), self.config.initial,
+                            engine_tokens)
+
+    @contextmanager
+    def owner_scope(self, owner: int) -> Iterator[None]:
+        """The calls made inside (``on_request``, ``put_targets``) are for
+        ``owner``'s request or save. The calls of an owner not named in the
+        shares (0: a caller that names none) share one state of their own,
+        entitled to the smallest share: they move no named owner's regime."""
+        outer, self._acting = self._acting, owner
+        try:
+            yield
+        finally:
+            self._acting = outer
+
+    def on_engines(self, tokens_by_owner: Mapping[int, int]) -> None:
+        """The tokens each owner's engines reported (their own prefix caches)."""
+        self._engine_tokens = dict(tokens_by_owner)
+        for o, own in self._owners.items():
+            own.engine_tokens = self._engine_tokens.get(o, 0)
+
+    def _owner(self, owner: int) -> _OwnerRegime:
+        own = self._owners.get(owner)
+        if own is None:      # not a tenant: the one anonymous state, never a tenant's or one of its own
+            assert self._anonymous is not None    # set with the owners
+            own = self._anonymous
+        return own
+
+    def _contributors(self) -> list[_OwnerRegime]:
+        """Every state that moves the store-wide regime: the owners' and the anonymous one."""
+        return [*self._owners.values(), *([self._anonymous] if self._anonymous is not None else [])]
+
+    def _tier_tokens(self) -> dict[str, int]:
+        """Each budgeted tier's capacity in tokens, as the planner knows it."""
+        tpk, view = self.config.tokens_per_key, self._view
+        caps = {}
+        for i, name in enumerate(self.tiers):
+            blocks = view.capacity_blocks(i)
+            if blocks is not None:
+                caps[name] = blocks * tpk
+        return caps
+
+    def _store_tokens(self) -> int | None:
+        """What the store holds at most below HBM, in tokens (None: not known yet)."""
+        hbm = self.tiers[self._hbm] if self._hbm is not None else None
+        below = [v for name, v in self._tier_tokens().items() if name != hbm]
+        return sum(below) if below else None
+
+    def _owner_thresholds(self, own: _OwnerRegime) -> tuple[int, int, int]:
+        """An owner's thresholds: its share of the fixed ones, or under
+        ``auto`` its own engines (HBM: its share of the store's HBM tier,
+        where the store has one) and its share of DRAM."""
+        if self.config.mode != "auto":
+            t1, t2, t3 = (max(1, int(t * own.share)) for t in self._fixed)
+            return t1, t2, t3
+        caps = self._tier_tokens()
+        hbm = own.engine_tokens if self._hbm is None else int(caps.get(self.tiers[self._hbm], 0) * own.share)
+        return auto_thresholds({"hbm": hbm, "dram": int(caps.get("dram", 0) * own.share)})
+
+    def _bounded(self, values: Sequence[tuple[float, int]]) -> int:
+        """The sum of (share, value) pairs, each value capped at its share of
+        the store's capacity in tokens (uncapped while none is known)."""
+        store = self._store_tokens()
+        if store is None:
+            return sum(v for _, v in values)
+        return sum(min(v, int(share * store)) for share, v in values)
+
+    def _bounded_working_set(self, now: float) -> int:
+        states = self._contributors()
+        for own in states:
+            own.last_ws = own.ws.tokens(now)    # expires what left the window
+        return self._bounded([(own.share, own.last_ws) for own in states])
 
     # -- decisions -----------------------------------------------------
     def prefetch_to(self, hit_tier: int) -> int | None:
@@ -424,14 +592,10 @@ class RegimePlacement(PlacementPolicy):
     def capacities(self) -> dict[str, int]:
         """Each tier's capacity in tokens, as the planner knows it, and
         ``hbm``: the engines' caches when the store has no HBM tier of its own."""
-        tpk, view = self.config.tokens_per_key, self._view
-        caps = {}
-        for i, name in enumerate(self.tiers):
-            blocks = view.capacity_blocks(i)
-            if blocks is not None:
-                caps[name] = blocks * tpk
-        if self._hbm is None:
-            caps["hbm"] = view.engine_tokens
+        caps = self._tier_tokens()
+        if self._hbm is None:   # several owners: each one's engines count up to its share of the store
+            caps["hbm"] = self._bounded([(own.share, own.engine_tokens) for own in self._owners.values()]) \
+                if self._owners else self._view.engine_tokens
         return caps
 
     def put_targets(self, key: Hashable) -> list[int]:
@@ -440,7 +604,7 @@ class RegimePlacement(PlacementPolicy):
         # an engine's save: its own cache holds the block; keep a copy only
         # where this regime would have written the HBM eviction back
         first = self._dram if self._dram is not None else (self._l3[0] if self._l3 else None)
-        r = self.regime
+        r = self._owner(self._acting).regime if self._owners else self.regime   # the saver's own
         if first is None or r == Regime.HBM_ONLY:
             self._counts["saves_declined"] += 1
             return []
@@ -548,6 +712,11 @@ class RegimePlacement(PlacementPolicy):
         return self._hbm
 
     def stats(self) -> dict:
+        owners: dict[str, int] = {}
+        for own in self._owners.values():   # how many owners are in each regime (no owner named)
+            owners[own.regime.name] = owners.get(own.regime.name, 0) + 1
         return {"regime": self.regime.name, "working_set_tokens": self._last_ws,
                 "thresholds": list(self.thresholds), "mode": self.config.mode,
-                "timeline": list(self._timeline), **self._counts, **self._model.stats()}
+                "timeline": list(self._timeline), "regime_changes": self._changes,
+                "owner_regimes": owners, "owner_regime_changes": self._owner_changes,
+                **self._counts, **self._model.stats()}

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 
 import numpy as np
@@ -32,7 +32,7 @@ from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, MissReason, PutOutcome
 from kvstore.policies.admission import AIMDAdmission
-from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup
+from kvstore.policies.base import EvictionPolicy, PlacementPolicy, check_followup, owner_shares
 from kvstore.policies.eviction import LRU, tier_orders
 from kvstore.policies.placement import Cascade
 from kvstore.record import BlockSpec, RecordHeader
@@ -119,7 +119,7 @@ class TieredStore:
         self._gone: OrderedDict[BlockKey, MissReason] = OrderedDict()
         self._ns_of: OrderedDict[BlockKey, bytes] = OrderedDict()  # bounded, for invalidate()
         self._epoch = 0                        # bumped by every invalidation
-        self._engines: dict[str, int] = {}     # engine -> its own prefix cache in tokens (report_engine)
+        self._engines: dict[tuple[int, str], int] = {}   # (owner, engine) -> its prefix cache in tokens
         self._ns_epoch: dict[bytes, int] = {}  # namespace -> epoch of its last invalidation
         self._invalidating: dict[bytes, int] = {}   # namespace -> invalidations sweeping the tiers now
         self._inflight: dict[BlockKey, asyncio.Future] = {}   # key -> outcomes of the put writing it
@@ -140,7 +140,7 @@ class TieredStore:
 
     # -- lookup -----------------------------------------------------------------
     async def alookup(self, keys: Sequence[BlockKey], *, followup: float | None = None,
-                      probe: bool = False) -> LookupResult:
+                      probe: bool = False, owner: int = 0) -> LookupResult:
         """Where each key is stored, and the longest stored prefix.
 
         ``followup``: the caller's probability in [0, 1] that this request's
@@ -150,7 +150,9 @@ class TieredStore:
         (a save skipping held blocks, a retried schedule, another TP rank):
         the answer is the same, but it is not counted as a request, neither in
         the lookup stats nor by the placement, whose working set and reuse
-        estimates would otherwise see one request several times."""
+        estimates would otherwise see one request several times.
+        ``owner``: whose request it is (the daemon's tenant; see
+        :meth:`set_owner_shares`): its working set is the one it moves."""
         followup = check_followup(followup)
         keys = [check_key(k) for k in keys]
         where: list[int | None] = [None] * len(keys)
@@ -176,8 +178,9 @@ class TieredStore:
             self._count_request(keys, prefix, reasons)
             # the planner hears of the request; a promotion ahead of the load (the
             # regime policy: NVMe / Redis hits to DRAM) is issued as a prefetch
-            self.prefetcher.promote_ahead(self.driver.lookup(keys, where, self.clock(), followup),
-                                          frozenset(keys[:prefix]))
+            with self.placement.owner_scope(owner):
+                ahead = self.driver.lookup(keys, where, self.clock(), followup)
+            self.prefetcher.promote_ahead(ahead, frozenset(keys[:prefix]))
         return LookupResult(prefix, [self.names[w] if w is not None else None for w in where], reasons)
 
     def _count_request(self, keys: list[BlockKey], prefix: int, reasons: list[MissReason | None]) -> None:
@@ -211,7 +214,18 @@ class TieredStore:
         """
         spec = BlockSpec.of(identity, owner)
         keys, views = check_batch(spec, keys, blocks, writable=False)
-        plan = self.driver.save(keys, spec.nbytes, owner)
+        first: dict[BlockKey, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        if len(first) < len(keys):
+            # a key given twice is written (and charged to the owner) once, with its
+            # first copy's bytes; a later copy answers EXISTS once the first is stored
+            got = dict(zip(first, await self.aput(identity, list(first), [views[i] for i in first.values()],
+                                                  owner=owner)))
+            return [got[k] if first[k] == i else PutOutcome.EXISTS if got[k] is PutOutcome.STORED else got[k]
+                    for i, k in enumerate(keys)]
+        with self.placement.owner_scope(owner):     # a save is decided by its owner's regime
+            plan = self.driver.save(keys, spec.nbytes, owner)
         waits = {i: self._inflight[k] for i, (k, st) in enumerate(zip(keys, plan.status))
                  if st == "exists" and k in self._inflight}
         mine = [k for k, st in zip(keys, plan.status) if st == "planned"]
@@ -380,12 +394,14 @@ class TieredStore:
 
     # -- prefetch, pins, invalidation --------------------------------------------
     def aprefetch(self, keys: Sequence[BlockKey], to: str | int = 0, *,
-                  keep: Container[BlockKey] = frozenset()) -> asyncio.Task:
+                  keep: Container[BlockKey] = frozenset(), owner: int = 0) -> asyncio.Task:
         """Start promoting ``keys`` into tier ``to``; returns a cancellable Task
         whose result is the number of blocks moved. Bounded: at most
-        ``max_prefetch`` run at once and at most ``max_prefetch_blocks`` wait;
-        past that the request is dropped (the Task returns 0). ``keep``: keys
-        the promotion must not evict (the rest of a request's prefix)."""
+        ``max_prefetch`` run at once, and ``owner`` (the daemon's tenant)
+        queues at most its share of ``max_prefetch_blocks`` (all of it while
+        no other prefetch waits; see :mod:`kvstore.store.prefetch`); past
+        that the request is dropped (the Task returns 0). ``keep``: keys the
+        promotion must not evict (the rest of a request's prefix)."""
         if isinstance(to, str):
             if to not in self.names:
                 raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
@@ -394,7 +410,7 @@ class TieredStore:
             ti = int(to)
         if not 0 <= ti < len(self.tiers):
             raise KVStoreError(f"no tier {to!r}; tiers are {self.names}")
-        return self.prefetcher.start([check_key(k) for k in keys], ti, keep)
+        return self.prefetcher.start([check_key(k) for k in keys], ti, keep, owner=owner)
 
     async def apromotions_landed(self) -> None:
         """Wait for the promotions lookups issued (a replay's load then sees
@@ -431,9 +447,24 @@ class TieredStore:
 
     def session_call(self, op: str, tenant: str, task: str, args: dict) -> int | bool | None:
         """One session call for ``tenant`` through the request driver
-        (:mod:`kvstore.store.driver`), timed by the store's clock."""
+        (:mod:`kvstore.store.driver`), timed by the store's clock. Returns
+        once it is journalled: it blocks on the journal's fsync (a local
+        store's API; the daemon uses :meth:`asession_call`)."""
         out = self.driver.session(op, tenant, task, args, self.clock())
         self.prefetcher.arm()
+        return out
+
+    async def asession_call(self, op: str, tenant: str, task: str, args: dict) -> int | bool | None:
+        """:meth:`session_call` that waits for the journal without blocking
+        the loop: the call is applied now, its record written and fsynced by
+        the journal's writer thread together with every other call queued
+        meanwhile (group commit), and this returns (acknowledges) only once
+        it is durable. Cancelled meanwhile, the call stays applied (and
+        journalled): nothing was acknowledged that is not."""
+        out, durable = self.driver.session_submit(op, tenant, task, args, self.clock())
+        self.prefetcher.arm()
+        if durable is not None:
+            await asyncio.wrap_future(durable)
         return out
 
     def prefetch_returning(self) -> asyncio.Task:
@@ -442,21 +473,38 @@ class TieredStore:
         On the store's loop; its one timer calls it when the next task is due."""
         return self.prefetcher.returning()
 
-    def report_engine(self, hbm_tokens: int, engine: str = "local") -> int:
+    def report_engine(self, hbm_tokens: int, engine: str = "local", *, owner: int = 0) -> int:
         """An engine's own prefix cache holds ``hbm_tokens`` (vLLM:
         num_gpu_blocks x block_size). The placement sees the sum over the
         engines reported (a daemon serves several; each report replaces that
         engine's last one) as the HBM above this store's tiers: the regime
-        policy's ``auto`` thresholds follow it. Returns that sum."""
+        policy's ``auto`` thresholds follow it. ``owner``: whose engine it
+        is (the daemon's tenant): with owner shares set
+        (:meth:`set_owner_shares`) the placement counts each owner's engines
+        toward that owner's regime, and toward the store's only up to its
+        share. Returns the sum reported."""
         if isinstance(hbm_tokens, bool) or not isinstance(hbm_tokens, int) or not 0 <= hbm_tokens <= MAX_ENGINE_TOKENS:
             raise ConfigError(f"hbm_tokens must be a token count in [0, {MAX_ENGINE_TOKENS}], got {hbm_tokens!r}"[:200])
+        name = (owner, str(engine)[:128])
         if hbm_tokens:
-            self._engines[str(engine)[:128]] = hbm_tokens
+            self._engines[name] = hbm_tokens
         else:                        # an engine that is gone (or has no cache) counts for nothing
-            self._engines.pop(str(engine)[:128], None)
-        total = sum(self._engines.values())
+            self._engines.pop(name, None)
+        by_owner: dict[int, int] = {}
+        for (o, _), tokens in self._engines.items():
+            by_owner[o] = by_owner.get(o, 0) + tokens
+        self.placement.on_engines(by_owner)
+        total = sum(by_owner.values())
         self.planner.engine_tokens = total
         return total
+
+    def set_owner_shares(self, quotas: Mapping[int, int | None]) -> None:
+        """The owners (the daemon's tenants, by owner tag) and their quotas
+        (None or 0: none): each one's share of the store (by quota; equal
+        shares when there are none: :func:`~kvstore.policies.base.owner_shares`)
+        bounds how far its lookups and engine reports move the placement.
+        Unset (a store of one process): one owner, as always."""
+        self.placement.set_owner_shares(owner_shares(quotas))
 
     def set_quota(self, owner: int, quota_bytes: int | None) -> None:
         """The most bytes the blocks of ``owner`` (a record's owner tag) may
@@ -545,7 +593,7 @@ class TieredStore:
                 snap["tiers"][name]["tier"] = asdict(own)
         snap["placement"] = self.placement.stats()
         snap["engine_hbm_tokens"] = sum(self._engines.values())
-        snap["sessions"] = self.sessions.stats()
+        snap["sessions"] = {**self.sessions.stats(), **self.journal.stats()}
         return snap
 
     async def aflush(self) -> int:
@@ -584,7 +632,7 @@ def build_planner(tiers: Sequence[Tier], placement: PlacementPolicy,
     footprint of a block there, and the blocks they already hold."""
     orders = tier_orders(placement, [t.name for t in tiers], top=eviction, lower=lower_eviction)
     plans = [TierPlan(t.name, t.budget_bytes, order, footprint=t.footprint, persistent=t.persistent,
-                      retry_when_full=not t.self_evicting)
+                      retry_when_full=not t.self_evicting, room_for=t.room_for)
              for t, order in zip(tiers, orders)]
     planner = Planner(plans, placement, protected=protected, sessions=sessions, durable=durable,
                       block_nbytes=block_nbytes)

@@ -391,7 +391,11 @@ def test_metrics_and_health(served):
         b.get(IDENT, keys[:1])
         admin, own = a.metrics(), b.metrics()
     port = served.daemon.metrics.port
-    http = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    # per-tenant series over HTTP go to an operator (an admin's token); anyone gets the store's
+    asked = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOK_A}"})
+    http = urllib.request.urlopen(asked, timeout=5).read().decode()
+    public = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert metric(public, "kvstore_hits_total") == 2 and "kvstore_tenant_" not in public
     for t in (admin, http):
         assert metric(t, "kvstore_tenant_hits_total", tenant=la) == 2
         assert metric(t, "kvstore_tenant_misses_total", tenant=la, reason="never_stored") == 4
@@ -698,15 +702,16 @@ def test_engines_report_their_own_cache_and_the_store_sums_them(tmp_path):
     try:
         with client(d.url, TOK_A) as a, client(d.url, TOK_B) as b:
             assert a.report_engine(1000) == 1000
-            assert b.report_engine(500) == 1500
-            assert a.report_engine(2000) == 2500                 # the same engine again: replaced
+            assert b.report_engine(500) == 500                   # a tenant hears its own engines' sum only
+            assert a.report_engine(2000) == 2000                 # the same engine again: replaced
             placement = d.daemon.store.placement
             assert placement.thresholds[0] == 2500               # auto: t1 follows the engines' HBM
             assert a.stats()["engine_hbm_tokens"] == 2500
             for bad in (-1, True, MAX_ENGINE_TOKENS + 1, 1.5):
                 with pytest.raises(KVStoreError):
                     a.report_engine(bad)
-            assert b.report_engine(0) == 2000                    # an engine with no cache counts for nothing
+            assert b.report_engine(0) == 0                       # an engine with no cache counts for nothing
+            assert d.daemon.store.planner.engine_tokens == 2000
             keys, blocks = blocks_for(300)
             a.lookup(keys)
             from prometheus_client.parser import text_string_to_metric_families
@@ -719,7 +724,8 @@ def test_engines_report_their_own_cache_and_the_store_sums_them(tmp_path):
         for i in range(MAX_ENGINES_PER_TENANT + 5):
             with client(d.url, TOK_B) as b2:
                 total = b2.report_engine(10)
-        assert total == 2000 + 10 * MAX_ENGINES_PER_TENANT
+        assert total == 10 * MAX_ENGINES_PER_TENANT
+        assert d.daemon.store.planner.engine_tokens == 2000 + 10 * MAX_ENGINES_PER_TENANT
     finally:
         d.stop()
 
