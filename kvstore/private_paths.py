@@ -152,11 +152,26 @@ def make_private_dir(path: str) -> None:
     user's link or inside another user's directory."""
     if not check_private_dir(path):
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            _make_dirs(os.path.abspath(path))
         except FileExistsError:
             raise UntrustedPath(path, "not a directory") from None
         if not check_private_dir(path):    # it went away meanwhile: someone else is at work there
             raise UntrustedPath(path, "removed while it was being made")
+
+
+def _make_dirs(path: str) -> None:
+    """``os.makedirs`` with every missing part made 0700 (``makedirs`` gives
+    the parents it makes ``0777 & ~umask``: under a umask of 002, the common
+    one of per-user groups, group-writable parents this check then refuses).
+    A mode of 0700 is never widened by any umask."""
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.isdir(parent):
+        _make_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def check_private_fd(fd: int, path: str) -> None:

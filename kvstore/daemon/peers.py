@@ -11,12 +11,23 @@ would let one user pose as many. A remote TCP peer is its address
 can make megabytes long with sockets in TIME_WAIT, and which would be read
 on the event loop for every connection.
 
+The kernel's answer is trusted only for a live socket: ESTABLISHED, with an
+inode (a socket some process still holds). A client that closed before the
+daemon asked is a TIME_WAIT/FIN_WAIT2 entry that no process owns, which the
+diagnostics report as uid 0 (so any user's closed sockets would count in
+root's share); one that reset is gone, and its address is whatever the
+user picked in 127/8. Every loopback peer the kernel cannot name is
+therefore one peer, :data:`UNNAMED_LOOPBACK`, never its address or uid 0:
+a user can put connections there, but they only crowd each other.
+
 :class:`Shares` holds a bounded pool shared by peers: a peer that reaches
 its share, or any peer when the pool is full, makes room by shedding the
 oldest member of its own share (or of the biggest holder's) rather than
 being refused. So a peer that opens sockets and never speaks can only
 crowd out itself, and a newcomer (a tenant about to authenticate, a
-liveness probe) always gets in. Loop only.
+liveness probe) always gets in. A full pool sheds from the unnamed peers
+(addresses, :data:`UNNAMED_LOOPBACK`) before any named uid: an address is
+cheap to multiply (IPv6, 127/8), a local uid is not. Loop only.
 """
 from __future__ import annotations
 
@@ -37,13 +48,20 @@ _DIAG_REQUEST = struct.Struct("=BBBxI")       # family, protocol, extensions, st
 _DIAG_SOCKID = struct.Struct("!HH16s16s")     # source port, destination port, addresses (network order)
 _DIAG_SOCKID_TAIL = struct.Struct("=III")     # interface, cookie (none: any socket)
 _NO_COOKIE = 0xFFFFFFFF
-_DIAG_UID_AT = _NLMSG_HEADER.size + 4 + 48 + 12   # inet_diag_msg: 4 bytes, the sockid, expires/rqueue/wqueue
+_DIAG_STATE_AT = _NLMSG_HEADER.size + 1          # inet_diag_msg: family, state, timer, retrans (a byte each)
+_DIAG_UID_AT = _NLMSG_HEADER.size + 4 + 48 + 12   # then the sockid, expires/rqueue/wqueue; uid, inode
+_DIAG_INODE_AT = _DIAG_UID_AT + 4
+_TCP_ESTABLISHED = 1
+
+UNNAMED_LOOPBACK = "loopback:unknown"   # every loopback peer the kernel cannot name: ONE peer
 _DIAG_TIMEOUT_S = 0.2                         # the kernel answers at once; never hang the loop on it
 
 
 def peer_key(sock: socket.socket, addr: object = None) -> str:
     """The peer of an accepted connection as a share key: ``uid:N`` for a
-    local user the kernel names, else ``addr:HOST`` (``addr:?`` if unknown)."""
+    local user the kernel names, :data:`UNNAMED_LOOPBACK` for a loopback
+    peer it cannot (closed or reset already: see the module docstring),
+    else ``addr:HOST`` (``addr:?`` if unknown)."""
     if sock.family == socket.AF_UNIX:
         with contextlib.suppress(OSError):
             creds = peer_credentials(sock)
@@ -58,15 +76,25 @@ def peer_key(sock: socket.socket, addr: object = None) -> str:
     except ValueError:
         loopback = False
     if loopback:
-        uid = loopback_uid(sock.family, (host, int(addr[1])), sock.getsockname())
-        if uid is not None:
-            return f"uid:{uid}"
+        try:
+            uid = loopback_uid(sock.family, (host, int(addr[1])), sock.getsockname())
+        except (OSError, ValueError):
+            uid = None
+        # never the address: any local user may connect from any of 127/8
+        return f"uid:{uid}" if uid is not None else UNNAMED_LOOPBACK
     return f"addr:{host}"
 
 
+def is_named(peer: str) -> bool:
+    """Whether ``peer`` is a local user the kernel named (not an address, nor unnamed)."""
+    return peer.startswith("uid:")
+
+
 def loopback_uid(family: int, peer: tuple, local: tuple) -> int | None:
-    """The uid owning the TCP socket at ``peer`` connected to ``local`` on
-    this host (the kernel's socket diagnostics), or None if not found."""
+    """The uid owning the live TCP socket at ``peer`` connected to ``local``
+    on this host (the kernel's socket diagnostics), or None if not found or
+    not live (see the module docstring: a closed socket's entry says uid 0
+    whoever closed it)."""
     try:
         def packed(host: str) -> bytes:
             return socket.inet_pton(family, host.split("%")[0]).ljust(16, b"\0")
@@ -82,9 +110,14 @@ def loopback_uid(family: int, peer: tuple, local: tuple) -> int | None:
             data = nl.recv(4096)
     except (OSError, ValueError, OverflowError, struct.error):
         return None
-    if len(data) < _DIAG_UID_AT + 4 or _NLMSG_HEADER.unpack_from(data)[1] != _SOCK_DIAG_BY_FAMILY:
+    if len(data) < _DIAG_INODE_AT + 4 or _NLMSG_HEADER.unpack_from(data)[1] != _SOCK_DIAG_BY_FAMILY:
         return None   # an error message: no such socket (gone already), or no diagnostics here
-    return int(struct.unpack_from("=I", data, _DIAG_UID_AT)[0])
+    # TIME_WAIT and FIN_WAIT2 entries of a closed socket (and orphans) carry uid 0 and no inode:
+    # only an ESTABLISHED socket that a process still holds has an owner worth believing
+    uid, inode = struct.unpack_from("=II", data, _DIAG_UID_AT)
+    if data[_DIAG_STATE_AT] != _TCP_ESTABLISHED or inode == 0:
+        return None
+    return int(uid)
 
 
 T = TypeVar("T", bound=Hashable)
@@ -95,7 +128,8 @@ class Shares(Generic[T]):
     ``per_peer`` of them by one peer. :meth:`admit` always takes the
     newcomer and returns who must go to make room (the caller sheds them):
     the peer's own oldest past its share, else, with the pool full, the
-    oldest of the biggest holder (the newcomer's peer counts itself in)."""
+    oldest of the biggest holder (the newcomer's peer counts itself in)
+    among the unnamed peers if any hold members, else among all."""
 
     def __init__(self, total: int, per_peer: int) -> None:
         self.total = max(1, total)
@@ -118,7 +152,10 @@ class Shares(Generic[T]):
         while self.held_by(peer) >= self.per_peer:
             shed.append(self._oldest_of(peer))
         if len(self._peer_of) >= self.total:
-            biggest = max(self._by_peer, key=lambda p: len(self._by_peer[p]) + (p == peer))
+            # unnamed peers first: with many addresses each holding one, "the biggest" would be
+            # whichever peer came first, a named tenant's fresh connection as likely as any
+            unnamed = [p for p in self._by_peer if not is_named(p)]
+            biggest = max(unnamed or self._by_peer, key=lambda p: len(self._by_peer[p]) + (p == peer))
             shed.append(self._oldest_of(biggest))
         self._by_peer.setdefault(peer, {})[member] = None
         self._peer_of[member] = peer

@@ -73,6 +73,7 @@ from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_ACCEPTS_PER_TURN = 16    # connections accepted in a row before the accept loop lets the others run
 _DEGRADED_FOR_S = 2.0        # /health says degraded this long after the last sign of trouble
 _SMALL_META = 64 << 10       # metadata this small is not counted against a tenant's buffers
 _KEEP_SCRATCH = 64 << 20     # a receive buffer up to this size is kept for the next request (a batch)
@@ -244,7 +245,14 @@ class Daemon:
         the metrics listener answers it), back off, go on."""
         loop = asyncio.get_running_loop()
         backoff = 0.01
+        accepted = 0
         while True:
+            accepted += 1
+            if accepted % _ACCEPTS_PER_TURN == 0:
+                # sock_accept returns at once while connections are pending, never yielding: a flood
+                # of connects would otherwise keep every admitted connection's task (a tenant's
+                # HELLO) from running, however long it lasts
+                await asyncio.sleep(0)
             try:
                 sock, addr = await loop.sock_accept(listener)
             except OSError as exc:
@@ -283,6 +291,11 @@ class Daemon:
             self._spare_fd = _spare()
 
     def _admit(self, sock: socket.socket, addr: object) -> None:
+        if _closed_already(sock):
+            # the peer closed (or reset) before saying anything: nothing can come of it, and it
+            # must not take a place in the pre-authentication pool (nor cost a sock_diag lookup)
+            sock.close()
+            return
         if len(self._conns) >= self.max_connections:
             self.degrade("connection limit reached")
             sock.close()   # refuse rather than queue: the client sees a reset and retries
@@ -581,6 +594,18 @@ async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes:
         if n == 0:
             raise ConnectionError("peer closed inside an oversize request")
         nbytes -= n
+
+
+def _closed_already(sock: socket.socket) -> bool:
+    """Whether the peer of a just-accepted connection has closed or reset it
+    having sent nothing (a peek: end of stream, or an error); data waiting
+    (a HELLO and then a half-close) is not closed."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False      # live, nothing sent yet: the usual case
+    except OSError:
+        return True       # reset (ECONNRESET) or otherwise unusable
 
 
 def _shed(sock: socket.socket, done: Callable[[], None]) -> None:

@@ -18,6 +18,7 @@ import select
 import signal
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -30,8 +31,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.daemon.peers import Shares, loopback_uid, peer_key
+from kvstore.daemon.peers import UNNAMED_LOOPBACK, Shares, loopback_uid, peer_key
 from kvstore.daemon.protocol import STATUS_ERROR, Op, frame
+from kvstore.daemon.server import _closed_already
 from tests.daemon.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config, hello, reply
 from tests.redis_server import free_port
 from tests.served import Served
@@ -94,6 +96,91 @@ def test_a_loopback_tcp_peer_is_named_by_its_uid_whatever_127_address_it_uses():
             os.close(w)
 
 
+def test_a_full_pool_sheds_unnamed_peers_before_a_named_one():
+    """Many addresses holding one each (a remote host's IPv6 range, or loopback peers before
+    the fix): the biggest holders tie, and the oldest of them was the named tenant's."""
+    shares: Shares[str] = Shares(total=4, per_peer=3)
+    shares.admit("uid:0", "tenant")
+    for i in range(3):
+        shares.admit(f"addr:10.0.0.{i}", f"a{i}")
+    assert shares.admit("addr:10.0.0.9", "a9") == ["a0"]
+    assert shares.admit(UNNAMED_LOOPBACK, "u0") == ["a1"]
+    assert "tenant" in shares
+    # only named peers left: the biggest of them, as before
+    named: Shares[str] = Shares(total=2, per_peer=2)
+    named.admit("uid:0", "t0")
+    named.admit("uid:1", "x0")
+    assert named.admit("uid:1", "x1") == ["x0"]
+
+
+@contextlib.contextmanager
+def loopback_pair(client_uid: int | None = None) -> Iterator[tuple[socket.socket, tuple, Callable[[bool], None]]]:
+    """An accepted loopback connection from 127.0.0.9 (the client in a forked child, as
+    ``client_uid`` if given); yields (server side, peer address, close(reset)) where
+    close makes the child close its end, reset with SO_LINGER 0, and waits until it has."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if client_uid is not None:
+                    os.setuid(client_uid)
+                c = socket.socket()
+                c.bind(("127.0.0.9", 0))
+                c.connect(srv.getsockname())
+                how = os.read(child_reads, 1)
+                if how == b"r":
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                c.close()
+                os.write(child_writes, b"x")
+                os.read(child_reads, 1)
+            finally:
+                os._exit(0)
+
+        def close(reset: bool) -> None:
+            os.write(parent_writes, b"r" if reset else b"c")
+            os.read(parent_reads, 1)
+            time.sleep(0.2)    # the FIN (or RST) arrives, and the client's entry settles
+        try:
+            conn, addr = srv.accept()
+            with conn:
+                yield conn, addr, close
+        finally:
+            os.write(parent_writes, b"xx")
+            os.waitpid(pid, 0)
+            for fd in (child_reads, parent_writes, parent_reads, child_writes):
+                os.close(fd)
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_loopback_peer_gone_before_the_lookup_is_the_one_unnamed_peer(reset):
+    """Closed, the client's socket is a FIN_WAIT2/TIME_WAIT entry that sock_diag reports as
+    uid 0 (it was keyed ``uid:0``, in root's share, whoever closed it); reset, it is gone (it
+    was keyed by its address, which a local user picks freely in 127/8)."""
+    client_uid = NOBODY if os.geteuid() == 0 else None
+    with loopback_pair(client_uid) as (conn, addr, close):
+        if client_uid is not None:
+            assert peer_key(conn, addr) == f"uid:{NOBODY}"      # live: named
+        close(reset)
+        assert loopback_uid(socket.AF_INET, addr, conn.getsockname()) is None
+        assert peer_key(conn, addr) == UNNAMED_LOOPBACK
+        assert _closed_already(conn)
+
+
+def test_a_live_connection_is_not_closed_already_even_with_its_request_sent_and_half_closed():
+    a, b = socket.socketpair()
+    with a, b:
+        assert not _closed_already(a)                   # live, nothing sent
+        b.sendall(b"hello")
+        b.shutdown(socket.SHUT_WR)
+        assert not _closed_already(a)                   # a request waits: serve it
+        assert a.recv(16) == b"hello"
+        assert _closed_already(a)                       # end of stream, nothing more
+
+
 # -- a real daemon -------------------------------------------------------------------------
 def admission_config(tmp: Path, **daemon) -> dict:
     """Two tenants and an admin; the Unix socket (mode 0666) in a directory any user may enter."""
@@ -107,7 +194,8 @@ def admission_config(tmp: Path, **daemon) -> dict:
 
 @contextlib.contextmanager
 def served(tmp: Path, cfg: dict, **kw) -> Iterator[Served]:
-    d = Served(tmp, TOK_VICTIM, config=cfg, **kw).start()
+    d = Served(tmp, TOK_VICTIM, config=cfg, **kw)
+    d.start()    # returns self, typed as the base class
     try:
         yield d
     finally:
