@@ -41,7 +41,7 @@ from kvstore.identity import CacheIdentity
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
-from kvstore.sessions.ledger import CALLS, SessionError
+from kvstore.sessions.ledger import CALLS, MAX_TASK_ID, SessionError
 from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
@@ -52,6 +52,10 @@ MAX_STEPS_PER_TENANT = 1 << 16   # steps of them: memory and journal are bounded
 MAX_CHECKPOINTS_PER_TENANT = 1 << 13   # checkpoints of them: memory, journal and compaction time
 _SESSION_ARGS: dict[str, type | tuple[type, ...]] = {
     "step": str, "idem": str, "child": str, "name": str, "tool_s": (int, float)}
+# The fields each call reads; any other is ignored, never journalled (a padded call costs nobody an fsync)
+_SESSION_FIELDS: dict[str, tuple[str, ...]] = {
+    "append": ("step", "idem"), "fork": ("child",), "join": ("child",), "checkpoint": ("name",),
+    "rollback": ("name",), "pause": ("tool_s",)}
 
 
 class Handlers:
@@ -243,16 +247,21 @@ class Handlers:
         """A task session call in the tenant's own namespace: task ids are the
         tenant's (another tenant's task is TaskNotFound, the same as none),
         keys are re-keyed like every other op's, so a task can hold only
-        blocks of its own tenant. A child task is made by ``fork`` only."""
+        blocks of its own tenant. A child task is made by ``fork`` only.
+        Only the fields the call reads are taken (type and length checked
+        here, before the ledger sees them): the journal record, which every
+        tenant's acknowledgements share a write and an fsync with, stays small."""
         call, task = meta.get("call"), meta.get("task")
         if call not in CALLS or not isinstance(task, str):
             raise SessionError(f"a session call is one of {list(CALLS)} with a task id")
         args: dict[str, Any] = {}
-        for name, kind in _SESSION_ARGS.items():
+        for name in _SESSION_FIELDS.get(call, ()):
             v = meta.get(name)
             if v is not None:
-                if not isinstance(v, kind) or isinstance(v, bool):
+                if not isinstance(v, _SESSION_ARGS[name]) or isinstance(v, bool):
                     raise SessionError(f"session field {name} has the wrong type")
+                if isinstance(v, str) and not 0 < len(v) <= MAX_TASK_ID:
+                    raise SessionError(f"session field {name} is 1-{MAX_TASK_ID} characters, got {len(v)}")
                 args[name] = v
         if call == "append":
             args["keys"] = await self._keys(ten, meta)

@@ -9,11 +9,17 @@ Group commit, off the event loop: a call is applied to the ledger where it is
 made (the loop: the ledger is single-threaded) and its record queued; one
 writer thread takes every record queued meanwhile, encodes them, writes them
 with one ``write`` and one ``fsync`` (``sync=True``, the default), then
-settles each call's future. A call is acknowledged only once its future is
+settles each call's future. A batch is at most :data:`MAX_BATCH_BYTES` (and
+at least one record), taken from the tenants' queued records in turn: one
+tenant's megabytes do not hold another's small record back (an fsync costs
+what it writes). A record holds only the fields its call uses. A call is acknowledged only once its future is
 (:meth:`SessionJournal.submit` gives it; :meth:`SessionJournal.call` waits on
 it), so SIGKILL loses nothing acknowledged, and the loop never waits on the
-disk. Records reach the file in the order the ledger applied them, so a
-durable record's effects never depend on a record that is not.
+disk. One tenant's records reach the file in the order the ledger applied
+them, so a durable record's effects never depend on a record that is not
+(the ledger's tenants share nothing a record's order could change: every
+bound is per tenant, a block's reference count a sum); a compaction's
+snapshot is a barrier no record crosses.
 
 Replay (on open) reads line by line, each line bounded by
 :data:`MAX_RECORD_BYTES` (more than the longest record the ledger can
@@ -22,7 +28,10 @@ line (a crash mid-write) fails its CRC and is dropped. A damaged record
 anywhere else stops the replay there: the store starts with the state before
 it, and the records from it on are dropped, counted (:attr:`dropped_records`)
 and logged with the record's number and offset. ``kvstore check`` reports it
-and ``--fix`` repairs it (:mod:`.repair`).
+and ``--fix`` repairs it (:mod:`.repair`). Journals written before
+``extend`` records existed hold a fork's inherited blocks as one ``append``
+(step and idem ``fork``) of any number of keys: replay accepts such a line
+up to :data:`MAX_LEGACY_FORK_BYTES` and splits it as compaction now would.
 
 Compaction rewrites the live state alone (``begin`` / ``append`` /
 ``checkpoint`` / ``pause`` records of the live tasks) so the file does not
@@ -42,15 +51,25 @@ import os
 import stat
 import threading
 import zlib
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.keys import KEY_LENGTHS, check_key
-from kvstore.sessions.ledger import CALLS, MAX_STEP_KEYS, MAX_TASK_ID, SessionError, SessionLedger, Step, apply
+from kvstore.sessions.ledger import (
+    CALLS,
+    FORK_STEP,
+    MAX_STEP_KEYS,
+    MAX_TASK_ID,
+    SessionError,
+    SessionLedger,
+    Step,
+    apply,
+)
 
 log = logging.getLogger(__name__)
 COMPACT_SLACK_BYTES = 4 << 20   # history since the last compaction that may pass the live state's size
@@ -60,6 +79,16 @@ MAX_TENANT_NAME = 256           # characters of a tenant's name in a record
 # hex digits, quotes, a comma each), the ids JSON-escaped at worst (12 bytes a
 # character), and the rest of the record. A longer line is damage, not a record.
 MAX_RECORD_BYTES = MAX_STEP_KEYS * (2 * max(KEY_LENGTHS) + 3) + 12 * (3 * MAX_TASK_ID + MAX_TENANT_NAME) + 1024
+# An old compaction's fork step, one ``append`` of every inherited key: read up to
+# this (about a million keys; a daemon's default bound on a tenant's references is
+# 65,536), past it damage like any over-long line. Only such a line is read this far.
+MAX_LEGACY_FORK_BYTES = 8 * MAX_RECORD_BYTES
+_LEGACY_FORK_HEAD = b'{"idem":"%s","keys":[' % FORK_STEP.encode()   # sort_keys puts idem first
+MAX_BATCH_BYTES = 1 << 20       # one write + fsync: more waits for the next (one record at least)
+# The fields each call's record keeps (the ledger reads no others): a padded call journals nothing extra.
+RECORD_FIELDS = {"begin": ("parent",), "append": ("step", "idem", "keys"), "fork": ("child",),
+                 "join": ("child",), "checkpoint": ("name",), "rollback": ("name",),
+                 "pause": ("now", "tool_s", "worth_keeping"), "resume": (), "end": ()}
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -68,9 +97,18 @@ def _line(record: dict) -> bytes:
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
+def _legacy_fork(raw: bytes) -> bool:
+    """The line starts like an old compaction's fork step (see the module doc)."""
+    return raw[9:9 + len(_LEGACY_FORK_HEAD)] == _LEGACY_FORK_HEAD
+
+
+def _too_long(raw: bytes) -> bool:
+    return len(raw) > (MAX_LEGACY_FORK_BYTES if _legacy_fork(raw) else MAX_RECORD_BYTES)
+
+
 def _parse(raw: bytes) -> dict | None:
     """The record of one line, or None when its CRC or JSON is bad."""
-    if not raw.endswith(b"\n") or len(raw) > MAX_RECORD_BYTES:
+    if not raw.endswith(b"\n") or _too_long(raw):
         return None
     crc, _, body = raw[:-1].partition(b" ")
     try:
@@ -129,11 +167,14 @@ def replay(path: Path, ledger: SessionLedger) -> Replayed:
 
 
 def _lines(fh: BinaryIO) -> Iterator[bytes]:
-    """Lines of at most MAX_RECORD_BYTES + 1 bytes: a longer one comes as
-    its first part (which no record is: it is damage) and ends the reading."""
+    """Lines of at most MAX_RECORD_BYTES + 1 bytes (an old fork step's:
+    MAX_LEGACY_FORK_BYTES + 1): a longer one comes as its first part (which
+    no record is: it is damage) and ends the reading."""
     while raw := fh.readline(MAX_RECORD_BYTES + 1):
+        if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n") and _legacy_fork(raw):
+            raw += fh.readline(MAX_LEGACY_FORK_BYTES + 1 - len(raw))
         yield raw
-        if len(raw) > MAX_RECORD_BYTES:
+        if _too_long(raw):
             return
 
 
@@ -149,20 +190,27 @@ def _lines_left(fh: BinaryIO, read: bytes) -> int:
 def _apply_line(ledger: SessionLedger, i: int, offset: int, raw: bytes, *, out: Replayed, last: bool) -> bool:
     """Apply one line; False (and ``out.damage``) when it is damaged."""
     rec = _parse(raw)
-    why = "a bad checksum or encoding" if len(raw) <= MAX_RECORD_BYTES else \
+    why = "a bad checksum or encoding" if not _too_long(raw) else \
         f"longer than the longest record ({MAX_RECORD_BYTES} bytes)"
     if rec is not None:
         try:
             args = _decode({k: v for k, v in rec.items() if k not in ("op", "tenant", "task")})
+            keys = args.get("keys", ())
             if rec["op"] == EXTEND:
-                ledger.extend_step(rec["tenant"], rec["task"], args.get("keys", ()))
+                ledger.extend_step(rec["tenant"], rec["task"], keys)
+            elif rec["op"] == "append" and args.get("step") == args.get("idem") == FORK_STEP \
+                    and len(keys) > MAX_STEP_KEYS:
+                # an old compaction's fork step: applied as today's would write it (append + extend)
+                apply(ledger, "append", rec["tenant"], rec["task"], {**args, "keys": keys[:MAX_STEP_KEYS]})
+                for at in range(MAX_STEP_KEYS, len(keys), MAX_STEP_KEYS):
+                    ledger.extend_step(rec["tenant"], rec["task"], keys[at:at + MAX_STEP_KEYS])
             else:
                 apply(ledger, rec["op"], rec["tenant"], rec["task"], args)
             out.records += 1
             return True
         except (KVStoreError, KeyError, TypeError, ValueError, AttributeError) as exc:
             why = f"it does not apply ({exc})"[:300]
-    elif last and len(raw) <= MAX_RECORD_BYTES:
+    elif last and not _too_long(raw):
         out.torn_tail = True              # a crash mid-write: the call was never acknowledged
         return True
     out.damage, out.damaged_offset = f"record {i} at byte {offset}: {why}", offset
@@ -252,12 +300,37 @@ def write_image(path: Path, image: list[TaskImage]) -> int:
 class _Record:
     record: dict
     done: Future
+    line: bytes = b""          # encoded by the writer
 
 
 @dataclass(slots=True)
 class _Compaction:
     image: list[TaskImage]
     done: Future = field(default_factory=Future)
+
+
+@dataclass(slots=True)
+class _Segment:
+    """The writer's queued records up to a compaction (a barrier: its snapshot
+    follows them), by tenant, the tenants in turn (see :meth:`SessionJournal._next_batch`)."""
+
+    tenants: OrderedDict[str, deque[_Record]] = field(default_factory=OrderedDict)
+    compaction: _Compaction | None = None
+
+
+def _settle(done: Future, exc: BaseException | None = None) -> None:
+    """Settle a call's future unless it is settled already: one its waiter
+    cancelled (the record is written all the same: the ledger applied it)
+    must not read as a failed write, which would stop every tenant's journal."""
+    if done.done():
+        return
+    try:
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+    except InvalidStateError:
+        pass                       # cancelled between the check and here
 
 
 class SessionJournal:
@@ -278,9 +351,13 @@ class SessionJournal:
         self._compacted = self._written = 0  # bytes: the file after the last compaction, since
         self._compact_due = False            # set by the writer, acted on by the next call (on the loop)
         self._lock = threading.Lock()
-        self._queue: list[_Record | _Compaction] = []
+        self._queue: list[_Record | _Compaction] = []    # from the loop to the writer
+        self._segments: deque[_Segment] = deque()         # the writer's own, not yet written
         self._draining = False
-        self._last: Future | None = None     # the latest record queued: a no-op call waits on it
+        # tenant -> its latest record queued: a no-op call waits on it (one tenant's
+        # records are written in order, not all tenants' together); written ones pruned
+        self._last_of: dict[str, Future] = {}
+        self._prune_at = 64
         self._writer: ThreadPoolExecutor | None = None
         self.path = None if path is None else Path(path)
         if self.path is None:
@@ -345,16 +422,27 @@ class SessionJournal:
         if self.path is None:
             return result, None
         if op == "append" and result is False:         # a retry: nothing new, but wait for what is queued
-            last = self._last
-            return result, last if last is not None and not last.done() else None
+            # settled or not: a failed one must fail the retry too, never acknowledge it
+            return result, self._last_of.get(tenant)
         done: Future = Future()
-        items: list[_Record | _Compaction] = [_Record({"op": op, "tenant": tenant, "task": task, **args}, done)]
+        fields = {k: args[k] for k in RECORD_FIELDS[op] if k in args}
+        items: list[_Record | _Compaction] = [_Record({"op": op, "tenant": tenant, "task": task, **fields}, done)]
         if self._compact_due:      # the snapshot is taken here, in order with the records
             self._compact_due = False
             items.append(_Compaction(snapshot(self.ledger)))
         self._enqueue(items)
-        self._last = done
+        self._last_of[tenant] = done
+        if len(self._last_of) > self._prune_at:    # only the written ones: a failed one is kept
+            self._last_of = {t: f for t, f in self._last_of.items()
+                             if not f.done() or f.cancelled() or f.exception() is not None}
+            self._prune_at = 2 * len(self._last_of) + 64
         return result, done
+
+    def pending(self, tenant: str) -> Future | None:
+        """The future of ``tenant``'s latest record (None: none queued since
+        the open): a call that changes nothing waits on it before it answers,
+        as a retried append does in :meth:`submit`."""
+        return self._last_of.get(tenant)
 
     def call(self, op: str, tenant: str, task: str, **args: Any) -> int | bool | None:
         """:meth:`submit`, then wait until the record is durable (a local
@@ -366,11 +454,10 @@ class SessionJournal:
 
     def flush(self) -> None:
         """Wait until every record queued so far is durable (or failed)."""
-        last = self._last
-        if last is not None:
+        for last in list(self._last_of.values()):
             try:
                 last.result()
-            except TierUnavailable:
+            except (TierUnavailable, CancelledError):
                 pass
 
     # -- the writer thread ------------------------------------------------------
@@ -385,18 +472,66 @@ class SessionJournal:
         self._writer.submit(self._drain)
 
     def _drain(self) -> None:
-        """Write batches until the queue is empty: each batch is what queued
-        while the last one was written (one write + fsync for all of it)."""
+        """Write batches until nothing is queued: each one of at most
+        MAX_BATCH_BYTES, one write + fsync (see :meth:`_next_batch`)."""
         while True:
             with self._lock:
-                batch, self._queue = self._queue, []
-                if not batch:
+                queued, self._queue = self._queue, []
+                if not queued and not self._segments:
                     self._draining = False
                     return
+            self._sort(queued)
+            batch: list[_Record | _Compaction] = []
             try:
+                self._next_batch(batch)
                 self._write_batch(batch)
             except BaseException as exc:         # never leave a caller waiting for ever
-                self._stop(f"writer failed ({exc!r})"[:300], batch)
+                self._stop(f"writer failed ({exc!r})"[:300], batch + self._take_all())
+
+    def _sort(self, queued: list[_Record | _Compaction]) -> None:
+        """File what the loop queued by tenant, in the segment of the
+        compaction that follows it."""
+        for item in queued:
+            if not self._segments or self._segments[-1].compaction is not None:
+                self._segments.append(_Segment())
+            seg = self._segments[-1]
+            if isinstance(item, _Compaction):
+                seg.compaction = item
+            else:
+                seg.tenants.setdefault(item.record["tenant"], deque()).append(item)
+
+    def _next_batch(self, batch: list[_Record | _Compaction]) -> None:
+        """Fill ``batch`` from the first segment: a record of each tenant in
+        turn (each tenant's in order) until MAX_BATCH_BYTES are taken (one
+        record at least), then the segment's compaction once it is empty.
+        A tenant queueing megabytes adds an fsync of a megabyte at most to
+        another's wait, not the megabytes."""
+        seg, size = self._segments[0], 0
+        while seg.tenants and (size < MAX_BATCH_BYTES or not batch):
+            tenant, records = next(iter(seg.tenants.items()))
+            rec = records.popleft()
+            if records:
+                seg.tenants.move_to_end(tenant)
+            else:
+                del seg.tenants[tenant]
+            batch.append(rec)
+            if self._broken is None:
+                rec.line = _line(_encode(rec.record))
+                size += len(rec.line)
+        if not seg.tenants:
+            self._segments.popleft()
+            if seg.compaction is not None:
+                batch.append(seg.compaction)
+
+    def _take_all(self) -> list[_Record | _Compaction]:
+        items: list[_Record | _Compaction] = []
+        for seg in self._segments:
+            for records in seg.tenants.values():
+                items += records
+            if seg.compaction is not None:
+                items.append(seg.compaction)
+        self._segments.clear()
+        return items
 
     def _write_batch(self, batch: list[_Record | _Compaction]) -> None:
         lines: list[bytes] = []
@@ -404,15 +539,16 @@ class SessionJournal:
         for item in batch:
             if isinstance(item, _Record):
                 if self._broken is not None:
-                    item.done.set_exception(TierUnavailable(f"session journal: {self._broken}"))
+                    _settle(item.done, TierUnavailable(f"session journal: {self._broken}"))
                     continue
-                lines.append(_line(_encode(item.record)))
+                lines.append(item.line)
                 waiting.append(item.done)
             else:
                 self._commit(lines, waiting)   # the records before the snapshot, in the old file
                 lines, waiting = [], []
-                self._compact(item.image)
-                item.done.set_result(None)
+                if self._broken is None:       # stopped: the file stays as the last good write left it
+                    self._compact(item.image)
+                _settle(item.done)
         self._commit(lines, waiting)
 
     def _commit(self, lines: list[bytes], waiting: list[Future]) -> None:
@@ -428,23 +564,28 @@ class SessionJournal:
         except OSError as exc:
             self._stop(f"write failed ({exc})", [])
             for done in waiting:
-                done.set_exception(TierUnavailable(f"session journal: {self._broken}; restart the store"))
+                _settle(done, TierUnavailable(f"session journal: {self._broken}; restart the store"))
             return
         self.commits += 1
         self._written += len(data)
         if self._written > max(self._compacted, COMPACT_SLACK_BYTES):
             self._compact_due = True     # the history outgrew the live state: the next call snapshots it
         for done in waiting:
-            done.set_result(None)
+            _settle(done)
 
     def _compact(self, image: list[TaskImage]) -> None:
         """Rewrite the file as ``image`` and append to the new one. A failure
         before the rename leaves the old file whole (appends go on there, the
-        next try after as much history again); after it, the journal stops."""
+        next try after as much history again); after it (the folder's fsync,
+        the reopen), the journal stops: the file we hold is no longer the
+        journal, and whether the rename is durable is unknown."""
         assert self.path is not None
         try:
             size = write_image(self.path, image)
         except OSError as exc:
+            if self._renamed():
+                self._stop(f"compaction failed after renaming the new file in ({exc})", [])
+                return
             log.warning("session journal: compaction failed (%s); appending to the old file", exc)
             self._written = 0
             return
@@ -458,12 +599,24 @@ class SessionJournal:
             return
         self._compacted, self._written = size, 0
 
+    def _renamed(self) -> bool:
+        """Whether the file we append to is no longer the one at ``path``
+        (unlinked by a rename over it): appending there would be lost."""
+        assert self.path is not None and self._fh is not None
+        try:
+            held = os.fstat(self._fh.fileno())
+            if held.st_nlink == 0:
+                return True
+            now = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True                  # cannot tell: the safe answer
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
     def _stop(self, why: str, batch: list[_Record | _Compaction]) -> None:
         self._broken = why
         log.error("session journal: %s; session calls answer TierUnavailable until a restart", why)
         for item in batch:
-            if not item.done.done():
-                item.done.set_exception(TierUnavailable(f"session journal: {why}; restart the store"))
+            _settle(item.done, TierUnavailable(f"session journal: {why}; restart the store"))
 
     # -- open ----------------------------------------------------------------------
     def _bound_holds(self) -> None:

@@ -189,6 +189,9 @@ class RequestDriver(Generic[K]):
         self._apply: Callable[..., tuple[int | bool | None, Future | None]] = sessions.submit \
             if isinstance(sessions, SessionJournal) \
             else lambda op, tenant, task, **args: (apply(self.ledger, op, tenant, task, args), None)
+        # a tenant's latest record not yet known durable (None: nothing to wait for)
+        self._pending: Callable[[str], Future | None] = sessions.pending \
+            if isinstance(sessions, SessionJournal) else lambda tenant: None
         planner.sessions = self.ledger
         self.admission = admission
         self.worth_keeping = worth_keeping
@@ -323,7 +326,9 @@ class RequestDriver(Generic[K]):
         if self.admission is None or live or (parent is not None and self.ledger.has(tenant, parent)):
             if live and op == "fork" and self.ledger.task(*who).parent is None \
                     and self._roots.get(who) == self._root((tenant, task)):
-                return True, None         # a retried fork of a child that began on its own (below)
+                # a retried fork of a child that began on its own (below): nothing new to journal,
+                # but its begin may still be queued, so the answer waits for this tenant's last record
+                return True, self._pending(tenant)
             _, durable = self._apply(op, tenant, task, **args)
             if self.admission is not None and not live and parent is not None:
                 self._roots[who] = self._root((tenant, parent))

@@ -460,11 +460,13 @@ class TieredStore:
         the journal's writer thread together with every other call queued
         meanwhile (group commit), and this returns (acknowledges) only once
         it is durable. Cancelled meanwhile, the call stays applied (and
-        journalled): nothing was acknowledged that is not."""
+        journalled): nothing was acknowledged that is not. The journal's
+        future is shielded: it may be another caller's too (a retry waits on
+        the record it repeats), and cancelling it would fail the writer."""
         out, durable = self.driver.session_submit(op, tenant, task, args, self.clock())
         self.prefetcher.arm()
         if durable is not None:
-            await asyncio.wrap_future(durable)
+            await asyncio.shield(asyncio.wrap_future(durable))
         return out
 
     def prefetch_returning(self) -> asyncio.Task:

@@ -334,3 +334,25 @@ def test_big_appends_on_four_connections_do_not_stall_another_tenants_ping(tmp_p
             if p.is_alive():
                 p.kill()
         d.close()
+
+
+# -- a session call's record holds the fields it reads, each bounded --------------------------
+def test_fields_a_session_call_ignores_are_not_journalled_and_those_it_reads_are_bounded(tmp_path):
+    d = Served(tmp_path, TOK_VICTIM, config=journal_config(tmp_path)).start()
+    try:
+        e = hello(d, TOK_EVE)
+        ok(e, {"call": "begin", "task": "t"})
+        before = journal_of(tmp_path).stat().st_size
+        pad = "\U0001F600" * 50_000                # 600 KB once JSON-escaped
+        ok(e, {"call": "append", "task": "t", "step": "s1", "keys": keys(1, 1), "name": pad, "child": pad})
+        ok(e, {"call": "pause", "task": "t", "tool_s": 1.0, "step": pad, "idem": pad, "name": pad})
+        assert journal_of(tmp_path).stat().st_size - before < 4096     # acknowledged: journalled, small
+        for meta in ({"call": "append", "task": "t", "step": "x" * 129, "keys": keys(2, 1)},
+                     {"call": "checkpoint", "task": "t", "name": pad},
+                     {"call": "fork", "task": "t", "child": pad}):
+            status, body = call(e, meta)
+            assert status == STATUS_ERROR and body["error"] == "SessionError", body
+        assert ok(e, {"call": "append", "task": "t", "step": "s1", "keys": keys(1, 1)}) is False   # intact
+        e.close()
+    finally:
+        d.close()

@@ -3,16 +3,28 @@ repair, and the ledger's per-tenant checkpoint and hold bounds (the daemon
 side: tests/daemon/test_daemon_journal.py)."""
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
+import stat
 import threading
+from concurrent.futures import wait
 
 import pytest
 
 import kvstore.sessions.journal as journal
+import kvstore.sessions.ledger as ledger_module
 from kvstore.errors import TierUnavailable
+from kvstore.policies.admission import AIMDAdmission, AIMDConfig
+from kvstore.policies.eviction import LRU
+from kvstore.policies.placement import Cascade
 from kvstore.sessions import SessionError, SessionJournal, SessionLedger
 from kvstore.sessions.ledger import MAX_STEP_KEYS
 from kvstore.sessions.repair import check_journal
+from kvstore.store.driver import RequestDriver
+from kvstore.store.planner import Planner, TierPlan
+from kvstore.store.tiered import TieredStore
+from kvstore.tiers.dram import DramConfig, DramTier
 
 A, B = "teamA", "teamB"
 
@@ -157,3 +169,191 @@ def test_a_hold_is_capped_and_setting_the_cap_cuts_holds_already_granted():
     assert key(1) not in led and led.expired(key(1))
     with pytest.raises(SessionError):
         led.max_hold_s = float("nan")
+
+
+# -- review fixes: cancelled waiters, a compaction failing after its rename, retries, old forks, fair batches
+def gated_fsync(monkeypatch, *, fail: bool = False) -> tuple[threading.Event, threading.Event]:
+    """Fault injection: every fsync waits for ``gate`` (``entered`` is set
+    once the writer is in one), then fails with EIO when ``fail``."""
+    gate, entered = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def held(fd: int) -> None:
+        entered.set()
+        gate.wait(10)
+        if fail:
+            raise OSError(errno.EIO, "injected")
+        real_fsync(fd)
+    monkeypatch.setattr(journal.os, "fsync", held)
+    return gate, entered
+
+
+def test_a_waiter_cancelling_its_future_neither_stops_the_journal_nor_loses_the_record(tmp_path, monkeypatch):
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")
+    j.call("begin", B, "u")
+    gate, _ = gated_fsync(monkeypatch)
+    _, mine = j.submit("append", A, "t", step="s1", keys=[key(1)])
+    assert mine is not None and mine.cancel()       # what wrap_future does when its waiter is cancelled
+    gate.set()
+    j.flush()
+    monkeypatch.undo()
+    assert j.call("append", B, "u", step="s", keys=[key(2)]) is True   # another tenant's journal still serves
+    assert not j.stats()["journal_broken"]
+    j.close()
+    assert [s.step for s in SessionJournal(path).ledger.task(A, "t").steps] == ["s1"]
+
+
+def test_asession_call_cancelled_by_its_waiter_leaves_the_shared_future_alone(tmp_path, monkeypatch):
+    store = TieredStore([DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=4096, pinned="no"))],
+                        sessions=SessionJournal(tmp_path / "s.journal"))
+
+    async def go() -> None:
+        await store.asession_call("begin", A, "t", {})
+        gate, _ = gated_fsync(monkeypatch)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(store.asession_call("append", A, "t", {"step": "s1", "keys": [key(1)]}), 0.05)
+        retry = asyncio.ensure_future(store.asession_call("append", A, "t", {"step": "s1", "keys": [key(1)]}))
+        await asyncio.sleep(0.05)
+        retry.cancel()                              # a retry waits on the first call's future: cancel it too
+        gate.set()
+        await asyncio.sleep(0.1)
+        monkeypatch.undo()
+        assert await store.asession_call("append", A, "t", {"step": "s2", "keys": [key(2)]}) is True
+    asyncio.run(go())
+    assert not store.journal.stats()["journal_broken"]
+    store.journal.close()
+    assert [s.step for s in SessionJournal(tmp_path / "s.journal").ledger.task(A, "t").steps] == ["s1", "s2"]
+
+
+def test_a_compaction_that_fails_after_its_rename_stops_the_journal(tmp_path, monkeypatch):
+    """The folder's fsync fails once the new file is renamed in: the file
+    the writer holds is unlinked, so a call appended there would be
+    acknowledged and lost. It must be refused instead."""
+    monkeypatch.setattr(journal, "COMPACT_SLACK_BYTES", 0)
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")                     # the file outgrew its (empty) compacted image: compaction due
+    real_fsync = os.fsync
+
+    def dir_fsync_fails(fd: int) -> None:       # fault injection: the folder's fsync only
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "injected")
+        real_fsync(fd)
+    monkeypatch.setattr(journal.os, "fsync", dir_fsync_fails)
+    j.call("append", A, "t", step="s1", keys=[key(1)])   # queued with the compaction, written before it
+    j.flush()
+    with pytest.raises(TierUnavailable):
+        j.call("append", A, "t", step="s2", keys=[key(2)])
+    assert j.stats()["journal_broken"]
+    monkeypatch.undo()
+    j.close()
+    assert [s.step for s in SessionJournal(path).ledger.task(A, "t").steps] == ["s1"]
+
+
+def test_a_retry_racing_the_writers_failure_is_not_acknowledged(tmp_path, monkeypatch):
+    j = SessionJournal(tmp_path / "s.journal")
+    j.call("begin", A, "t")
+    gate, _ = gated_fsync(monkeypatch, fail=True)
+    _, first = j.submit("append", A, "t", step="s", keys=[key(1)])
+    assert first is not None
+    real_apply = journal.apply
+
+    def writer_fails_meanwhile(*args: object) -> object:
+        out = real_apply(*args)                 # type: ignore[arg-type]
+        gate.set()                              # after submit checked the journal, before it looks at `first`
+        wait([first], 10)
+        return out
+    monkeypatch.setattr(journal, "apply", writer_fails_meanwhile)
+    again, waiting = j.submit("append", A, "t", step="s", keys=[key(1)])
+    assert again is False and waiting is not None
+    with pytest.raises(TierUnavailable):
+        waiting.result(10)
+    monkeypatch.undo()
+    j.close()
+
+
+def test_a_retried_fork_waits_for_the_childs_begin(tmp_path, monkeypatch):
+    j = SessionJournal(tmp_path / "s.journal")
+    d = RequestDriver(Planner([TierPlan("t0", 8, LRU(), footprint=lambda nbytes: 1)], Cascade(["t0"])), j,
+                      admission=AIMDAdmission(AIMDConfig(initial=1, window=1, target=0.5)))
+    d.session("begin", A, "a", {}, 0.0)
+    assert d.session("begin", A, "p", {}, 0.0) is False    # refused: the one slot is a's
+    d.session("end", A, "a", {}, 0.0)
+    gate, entered = gated_fsync(monkeypatch)
+    j.submit("begin", B, "other")                          # the writer is held in this fsync
+    assert entered.wait(10)
+    ok, first = d.session_submit("fork", A, "p", {"child": "p.1"}, 0.0)   # p.1 begins on its own
+    ok2, retry = d.session_submit("fork", A, "p", {"child": "p.1"}, 0.0)
+    assert ok and ok2 and j.ledger.task(A, "p.1").parent is None
+    assert retry is not None and not retry.done()          # its begin is not durable yet
+    gate.set()
+    retry.result(10)
+    monkeypatch.undo()
+    j.close()
+
+
+def test_an_old_compactions_oversize_fork_step_replays(tmp_path, monkeypatch):
+    """Compaction once wrote a fork's inherited blocks as one append of all
+    of them: more than MAX_STEP_KEYS keys, a line past MAX_RECORD_BYTES.
+    Replay splits it as today's compaction would, and drops nothing."""
+    monkeypatch.setattr(journal, "MAX_STEP_KEYS", 4)
+    monkeypatch.setattr(ledger_module, "MAX_STEP_KEYS", 4)
+    monkeypatch.setattr(journal, "MAX_RECORD_BYTES", 300)
+    monkeypatch.setattr(journal, "MAX_LEGACY_FORK_BYTES", 4096, raising=False)   # (absent before the fix)
+    inherited = [key(i).hex() for i in range(10)]
+    lines = [journal._line({"op": "begin", "tenant": A, "task": "p", "parent": None})]
+    lines += [journal._line({"op": "append", "tenant": A, "task": "p", "step": f"s{i}", "idem": f"s{i}",
+                             "keys": inherited[4 * i:4 * i + 4]}) for i in range(3)]
+    lines += [journal._line({"op": "begin", "tenant": A, "task": "c", "parent": "p"}),
+              journal._line({"op": "append", "tenant": A, "task": "c", "step": "fork", "idem": "fork",
+                             "keys": inherited}),
+              journal._line({"op": "begin", "tenant": B, "task": "after"})]
+    assert len(lines[5]) > 300
+    path = tmp_path / "s.journal"
+    path.write_bytes(b"".join(lines))
+    j = SessionJournal(path)
+    assert j.dropped_records == 0 and j.damage is None
+    assert len(j.ledger.task(A, "c").steps[0].keys) == 10 and j.ledger.tasks(B) == ["after"]
+    j.close()
+    # past MAX_LEGACY_FORK_BYTES it is damage like any over-long line
+    monkeypatch.setattr(journal, "MAX_LEGACY_FORK_BYTES", 400)
+    path.write_bytes(b"".join(lines))
+    j = SessionJournal(path)
+    assert j.dropped_records == 2 and "longer" in (j.damage or "")
+    j.close()
+
+
+def test_a_record_keeps_only_the_fields_its_call_reads(tmp_path):
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t", child="junk-child")
+    j.call("append", A, "t", step="s", keys=[key(1)], name="junk-name", child="junk-child", tool_s=1.0)
+    j.close()
+    assert b"junk" not in path.read_bytes() and b"tool_s" not in path.read_bytes()
+
+
+def test_a_tenants_megabytes_do_not_hold_back_anothers_small_record(tmp_path, monkeypatch):
+    """The writer takes the tenants' queued records in turn, at most
+    MAX_BATCH_BYTES a batch: B's record queued behind 3 MB of A's is
+    written in the next batch, not after all of A's."""
+    path = tmp_path / "s.journal"
+    j = SessionJournal(path)
+    j.call("begin", A, "t")
+    j.call("begin", B, "u")
+    many = [key(i) for i in range(9000)]              # about 315 KB a record
+    gate, entered = gated_fsync(monkeypatch)
+    j.submit("append", A, "t", step="a0", keys=many)
+    assert entered.wait(10)                           # the writer holds a0's batch
+    for i in range(1, 10):
+        j.submit("append", A, "t", step=f"a{i}", keys=many)
+    _, small = j.submit("append", B, "u", step="b", keys=[key(1)])
+    gate.set()
+    j.flush()
+    monkeypatch.undo()
+    j.close()
+    order = [line.split(b'"step":"')[1].split(b'"')[0].decode() for line in path.read_bytes().splitlines()
+             if b'"step":"' in line]
+    assert order.index("b") < order.index("a3"), order
+    assert [s for s in order if s != "b"] == [f"a{i}" for i in range(10)]   # A's own order kept
