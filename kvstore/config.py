@@ -234,6 +234,7 @@ class PolicyConfig(Section):
     hysteresis: Fraction = 0.1
     window_s: Seconds = 60.0
     max_prefetch: Count = 4         # concurrent prefetches
+    max_prefetch_blocks: Count = 4096   # blocks queued for prefetch (each owner's lane a share of them)
 
     @field_validator("thresholds", mode="before")
     @classmethod

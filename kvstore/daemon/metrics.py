@@ -129,8 +129,14 @@ def _store_families(store: TieredStore, status: ServerStatus) -> Iterator[Metric
     yield from _placement_families(snap)
     sessions = snap.get("sessions", {})
     for key, help_ in (("tasks", "Live agent tasks (all tenants)."), ("paused", "Live tasks paused for a tool."),
-                       ("held_blocks", "Blocks live tasks hold (never evicted while held).")):
-        yield _family(f"session_{key}", "gauge", help_, [({}, sessions.get(key, 0))])
+                       ("held_blocks", "Blocks live tasks hold (never evicted while held)."),
+                       ("journal_dropped_records", "Session journal records dropped at the last start "
+                                                   "(from a damaged record on; kvstore check names it)."),
+                       ("journal_broken", "1 while the session journal is stopped (a failed write): "
+                                          "session calls answer TierUnavailable until a restart.")):
+        yield _family(f"session_{key}", "gauge", help_, [({}, int(sessions.get(key, 0)))])
+    yield _family("session_journal_commits_total", "counter", "Session journal writes (each one fsync, "
+                  "for every call queued meanwhile).", [({}, sessions.get("journal_commits", 0))])
     yield _family("requests_total", "counter", "Requests served, by opcode.",
                   [({"op": op}, n) for op, n in status.requests.items()])
     yield _family("protocol_errors_total", "counter", "Connections closed for bad frames or auth.",

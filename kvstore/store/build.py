@@ -86,7 +86,9 @@ async def build_store(cfg: Config) -> TieredStore:
             journal = SessionJournal(Path(nvme.path) / "sessions.journal")
         try:
             return TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
-                               max_prefetch=cfg.policy.max_prefetch, durable_tier=durable_tier(cfg, tiers))
+                               max_prefetch=cfg.policy.max_prefetch,
+                               max_prefetch_blocks=cfg.policy.max_prefetch_blocks,
+                               durable_tier=durable_tier(cfg, tiers))
         except BaseException:
             if journal is not None:
                 journal.close()

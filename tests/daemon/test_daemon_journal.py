@@ -20,6 +20,7 @@ import pytest
 from kvstore.daemon.ops import MAX_CHECKPOINTS_PER_TENANT
 from kvstore.daemon.protocol import STATUS_ERROR, Op, frame
 from kvstore.sessions.ledger import MAX_CHECKPOINTS
+from tests.daemon.test_daemon_admission import gauge, scrape
 from tests.daemon.test_daemon_isolation import TOK_EVE, TOK_VICTIM, config, hello, reply
 from tests.served import Served
 
@@ -106,6 +107,9 @@ def test_a_damaged_record_in_the_middle_drops_the_sessions_from_there_and_the_da
         st = session_stats(d)
         assert st["journal_dropped_records"] == 2 and st["tasks"] == 1
         assert "record 3" in d.log() and "dropped" in d.log()
+        status, text = scrape(d, "/metrics")                         # store-wide series: anyone sees them
+        assert status == 200 and gauge(text, "kvstore_session_journal_dropped_records") == 2
+        assert gauge(text, "kvstore_session_journal_broken") == 0
         s = hello(d, TOK_VICTIM)
         assert ok(s, {"call": "end", "task": "before"}) == 4         # the state before the damage
         status, body = call(s, {"call": "end", "task": "after"})

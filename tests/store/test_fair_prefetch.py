@@ -144,3 +144,18 @@ def test_waiting_requests_past_their_share_make_room_for_a_new_owner():
         return moved, flooded
     moved, flooded = asyncio.run(go())
     assert moved == 2048 and flooded.count(0) >= 8
+
+
+def test_the_prefetch_budget_is_a_policy_setting():
+    """``policy.max_prefetch_blocks`` reaches the store (the daemon had no way to set it)."""
+    from kvstore.config import Config
+    from kvstore.store.build import build_store
+
+    async def main() -> int:
+        store = await build_store(Config(store={"dram": {"capacity_bytes": "4MiB"}},
+                                         policy={"max_prefetch_blocks": 64}))
+        try:
+            return store.prefetcher._budget
+        finally:
+            await store.aclose()
+    assert asyncio.run(main()) == 64
