@@ -30,8 +30,14 @@ DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
     "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1, "int4": 1,
 }
-ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "sliding_window")
+# mha/gqa/mqa: full attention, by how heads share K/V; sliding_window: full
+# attention over the last `sliding_window` tokens; mla: one latent per token
+# and layer; indexer: one key per token and layer (a sparse-attention
+# indexer's); recurrent: a fixed-size state per sequence (Mamba, linear
+# attention), checkpointed at block boundaries (see kvstore.groups)
+ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla", "sliding_window", "indexer", "recurrent")
 KEY_HASHES = ("sha256", "xxh3_128")
+MAX_GROUPS = 64      # kinds of layer state in one model (vLLM makes a handful)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -52,7 +58,10 @@ class KVLayout:
 
     ``num_kv_heads`` counts the heads held by this shard (after TP split).
     For MLA there is one latent vector per token and layer: ``head_dim`` is
-    the latent width and K and V are not stored separately.
+    the latent width and K and V are not stored separately (likewise an
+    indexer's keys). A recurrent layout holds no tokens: its record is one
+    state checkpoint of ``state_bytes`` (all its layers), whatever the block
+    size; ``num_kv_heads`` and ``head_dim`` then describe nothing and are 1.
     """
 
     num_layers: int
@@ -62,6 +71,7 @@ class KVLayout:
     dtype: str = "bfloat16"
     attention: str = "gqa"
     sliding_window: int | None = None
+    state_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -74,20 +84,91 @@ class KVLayout:
             _positive_int("sliding_window", self.sliding_window)
         elif self.sliding_window is not None:
             raise ConfigError("sliding_window is only valid with attention='sliding_window'")
+        if self.attention == "recurrent":
+            _positive_int("state_bytes", self.state_bytes)
+        elif self.state_bytes is not None:
+            raise ConfigError("state_bytes is only valid with attention='recurrent'")
 
     @property
     def tensors_per_layer(self) -> int:
-        return 1 if self.attention == "mla" else 2
+        return 1 if self.attention in ("mla", "indexer") else 2
 
     @property
     def bytes_per_token(self) -> int:
+        """K/V bytes one token adds (0 for a recurrent state, which does not grow)."""
+        if self.attention == "recurrent":
+            return 0
         return (self.tensors_per_layer * self.num_layers * self.num_kv_heads
                 * self.head_dim * DTYPE_BYTES[self.dtype])
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one sealed block, all layers, K and V, as one record."""
+        """Bytes of one record: a sealed block, all layers, K and V (or one
+        recurrent state checkpoint)."""
+        if self.attention == "recurrent":
+            assert self.state_bytes is not None     # checked in __post_init__
+            return self.state_bytes
         return self.bytes_per_token * self.block_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical fields; those added later are left out at their
+        defaults, so an older layout's digest (and its stored records) stays."""
+        d = dataclasses.asdict(self)
+        if d["state_bytes"] is None:
+            del d["state_bytes"]
+        return d
+
+
+GROUP_KINDS = ("full", "sliding_window", "mla", "indexer", "recurrent")
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One kind of layer state of a model: the layers that share it and the
+    layout of one of its records. Its kind follows from the layout:
+    mha/gqa/mqa are full attention."""
+
+    layers: tuple[int, ...]
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError("a group's layout must be a KVLayout")
+        if not isinstance(self.layers, tuple) or not self.layers or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+            raise ConfigError(f"a group's layers must be a non-empty tuple of layer indices, "
+                              f"got {shown(self.layers)}")
+        if len(set(self.layers)) != len(self.layers):
+            raise ConfigError(f"a group names a layer twice: {shown(self.layers)}")
+        if self.layout.num_layers != len(self.layers):
+            raise ConfigError(f"a group of {len(self.layers)} layers has a layout of "
+                              f"{self.layout.num_layers}")
+
+    @property
+    def kind(self) -> str:
+        a = self.layout.attention
+        return "full" if a in ("mha", "gqa", "mqa") else a
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "layout": self.layout.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "KVGroup":
+        if not isinstance(data, Mapping) or set(data) - {"layers", "layout"} or "layout" not in data:
+            raise ConfigError(f"a group is an object of layers and layout, got {shown(data)}")
+        layout = data["layout"]
+        if not isinstance(layout, Mapping) or not all(isinstance(k, str) for k in layout):
+            raise ConfigError(f"a group's layout must be an object, got {shown(layout)}")
+        known = {f.name for f in dataclasses.fields(KVLayout)}
+        if set(layout) - known:
+            raise ConfigError(f"unknown layout field(s): {_names(sorted(set(layout) - known))}")
+        layers = data.get("layers")
+        if not isinstance(layers, list):
+            raise ConfigError(f"a group's layers must be a list of layer indices, got {shown(layers)}")
+        try:
+            return cls(tuple(layers), KVLayout(**layout))
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +194,12 @@ class CacheIdentity:
     cache_salt: str = ""            # the tenant's salt
     key_hash: str = "sha256"        # "xxh3_128" is opt-in for single-tenant use
     extra: tuple[tuple[str, str], ...] = field(default=())  # engine-specific fields
+    # A model with more than one kind of layer state (sliding window beside
+    # full attention, recurrent beside attention, ...): every group, and the
+    # one this identity's records hold (``layout`` is that group's). Empty for
+    # a model of one kind, whose identity is what it always was.
+    groups: tuple[KVGroup, ...] = field(default=())
+    group: int | None = None
 
     def __post_init__(self) -> None:
         _text("model_id", self.model_id, allow_empty=False)
@@ -137,11 +224,68 @@ class CacheIdentity:
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
                 for p in self.extra):
             raise ConfigError("extra must be a tuple of (str, str) pairs")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if not isinstance(self.groups, tuple) or not all(isinstance(g, KVGroup) for g in self.groups):
+            raise ConfigError("groups must be a tuple of KVGroup")
+        if not self.groups:
+            if self.group is not None:
+                raise ConfigError("group given without groups")
+            return
+        if len(self.groups) > MAX_GROUPS:
+            raise ConfigError(f"a model has at most {MAX_GROUPS} groups, got {len(self.groups)}")
+        g = self.group
+        if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < len(self.groups):
+            raise ConfigError(f"group must index groups (0..{len(self.groups) - 1}), got {shown(g)}")
+        if self.layout != self.groups[g].layout:
+            raise ConfigError(f"layout must be group {g}'s layout")
+        tokens = {x.layout.block_tokens for x in self.groups}
+        if len(tokens) != 1:
+            raise ConfigError(f"every group must have one block size, got {sorted(tokens)}")
+        seen: set[int] = set()
+        for x in self.groups:
+            if seen & set(x.layers):
+                raise ConfigError(f"layer(s) {sorted(seen & set(x.layers))[:8]} are in two groups")
+            seen.update(x.layers)
+
+    # -- groups ---------------------------------------------------------
+    @classmethod
+    def grouped(cls, groups: tuple[KVGroup, ...] | list[KVGroup], **fields: Any) -> "CacheIdentity":
+        """The identity of group 0 of a model of ``groups`` (see for_group).
+        One group of one kind is a plain identity: its digest is a plain model's."""
+        groups = tuple(groups)
+        if not groups:
+            raise ConfigError("a model has at least one group")
+        if len(groups) == 1:
+            return cls(layout=groups[0].layout, **fields)
+        return cls(layout=groups[0].layout, groups=groups, group=0, **fields)
+
+    def for_group(self, index: int) -> "CacheIdentity":
+        """The identity of group ``index``'s records: the same model (its
+        digest covers every group), that group's layout, a namespace of its own."""
+        if not self.groups:
+            if index != 0:
+                raise ConfigError(f"a model of one group has no group {shown(index)}")
+            return self
+        if not isinstance(index, int) or not 0 <= index < len(self.groups):
+            raise ConfigError(f"no group {shown(index)} of {len(self.groups)}")
+        return dataclasses.replace(self, layout=self.groups[index].layout, group=index)
+
+    @property
+    def group_identities(self) -> list["CacheIdentity"]:
+        """One identity per group (one for a plain model)."""
+        return [self.for_group(i) for i in range(max(1, len(self.groups)))]
 
     # -- canonical form -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["layout"] = self.layout.to_dict()
         d["extra"] = {k: v for k, v in sorted(self.extra)}
+        if self.groups:
+            d["groups"] = [g.to_dict() for g in self.groups]
+        else:           # a model of one kind keys as it always has
+            del d["groups"], d["group"]
         return d
 
     def canonical_bytes(self) -> bytes:
@@ -187,6 +331,11 @@ class CacheIdentity:
             raise ConfigError(f"identity is missing layout field(s): {', '.join(missing)}")
         if "extra" in data:
             data["extra"] = _extra_pairs(data["extra"])
+        if "groups" in data:
+            raw = data["groups"]
+            if not isinstance(raw, list) or len(raw) > MAX_GROUPS:
+                raise ConfigError(f"groups must be a list of at most {MAX_GROUPS} groups, got {shown(raw)}")
+            data["groups"] = tuple(KVGroup.from_dict(g) for g in raw)
         if "model_id" not in data:
             raise ConfigError("identity is missing model_id")
         try:
@@ -266,5 +415,5 @@ def _namespace_digest(identity: CacheIdentity) -> bytes:
 
 @functools.lru_cache(maxsize=1024)
 def _layout_digest(layout: KVLayout) -> bytes:
-    body = json.dumps(dataclasses.asdict(layout), sort_keys=True, separators=(",", ":"))
+    body = json.dumps(layout.to_dict(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).digest()[:8]

@@ -30,3 +30,4 @@ class MissReason(enum.Enum):
     CORRUPT = "corrupt"
     TIER_UNAVAILABLE = "tier_unavailable"
     PARTIAL_BLOCK = "partial_block"
+    PARTIAL_GROUP = "partial_group"       # a group of a hybrid model lacks what this prefix needs
