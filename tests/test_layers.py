@@ -28,8 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # helpers, and schema.py: the base of every config section (each
     # component declares its own section over it, so it is below them all)
     ("core", ("kvstore.__init__", "kvstore.errors", "kvstore.units", "kvstore.identity", "kvstore.keys",
-              "kvstore.record", "kvstore.outcomes", "kvstore.stats", "kvstore.settings", "kvstore.gpu",
-              "kvstore.hostmem", "kvstore.schema", "kvstore.private_paths")),
+              "kvstore.groups", "kvstore.record", "kvstore.outcomes", "kvstore.stats", "kvstore.settings",
+              "kvstore.gpu", "kvstore.hostmem", "kvstore.schema", "kvstore.private_paths")),
     # one module or package per tier; a tier's config section lives with it
     ("tiers", ("kvstore.tiers",)),
     # eviction orders and placements: they decide, they never touch bytes
