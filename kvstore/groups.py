@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
+import numpy as np
+
 from kvstore.errors import ConfigError
 from kvstore.identity import CacheIdentity, KVGroup
 from kvstore.keys import BlockKey, KeyChain
@@ -148,7 +150,7 @@ class GroupChains:
         first = self.identities[0]
         return first.groups or (KVGroup(tuple(range(first.layout.num_layers)), first.layout),)
 
-    def extend(self, tokens: Sequence[int], extras: Sequence | None = None) -> None:
+    def extend(self, tokens: Iterable[int] | np.ndarray, extras: Sequence | None = None) -> None:
         for chain in self.chains:
             chain.extend(tokens, extras)
 

@@ -1,4 +1,4 @@
-"""transformers connector: save and restore a ``DynamicCache`` prefix, block by block.
+"""transformers connector: save and restore a transformers cache prefix, block by block.
 
 Usage::
 
@@ -6,16 +6,47 @@ Usage::
     from kvstore.store.factory import open_store
     store = open_store({"store": {"dram": {"capacity_bytes": "2GiB"}}})
     ident = identity_for_model(model, block_tokens=16, model_revision="abc123")
-    pc = HFPrefixCache(store, ident)
+    pc = HFPrefixCache(store, ident, config=model.config)
 
     restored = pc.load(input_ids)                 # longest stored prefix
     out = model(input_ids[:, restored.num_tokens:], cache=restored.cache)
-    pc.save(input_ids, out.cache)                 # seal and store new blocks
+    pc.save(input_ids, out.cache, skip=restored.num_blocks, branch=restored.branch)
+
+    # or both at once (needed for a recurrent hybrid, see below):
+    logits, cache, restored = pc.prefill(model, input_ids)
 
 Only full blocks are stored; ``load`` always leaves at least one token to
 compute, so the caller gets logits for the last position. A block that is
 missing or fails its checksum ends the restored prefix there (the rest is
 recomputed); a store that is down restores nothing. Neither raises.
+
+Hybrid models (transformers 5 ``layer_types``): the identity has one group
+(:class:`kvstore.identity.KVGroup`) per kind of layer state, each stored
+under its own namespace, and a prefix hits only as far as every group can
+serve it (:mod:`kvstore.groups`; a shorter hit says ``partial_group``):
+
+* ``full_attention`` layers: every block, as for a plain model.
+* ``sliding_attention`` layers (Gemma 3, ...): only the blocks
+  ``kvstore.groups.kept`` names, the window before each resume point (the
+  sealed end, the branch point ``load`` reports, every ``checkpoint_blocks``).
+  transformers' sliding layer keeps only its last ``window - 1`` tokens,
+  fewer than that window of blocks, so the caches this object makes
+  (``new_cache``, ``load``) record their sliding layers' past, and ``save``
+  trims it back to what the next save can need. A restore rebuilds each
+  sliding layer as a fresh prefill leaves it (same token count, the window's
+  keys), so the next token's attention is bit for bit a fresh prefill's.
+* ``linear_attention`` layers of Qwen3-Next: the conv and recurrent state at
+  a block boundary (one record per resume point). A forward pass leaves the
+  state only at its last token, so :meth:`HFPrefixCache.prefill` runs the
+  uncached part in chunks that end at the resume points and snapshots the
+  state there; ``save`` alone stores a state only when the cache ends on a
+  sealed block. A recurrent state computed in chunks differs in its last
+  bits from one computed in one pass (the chunked delta rule reduces in
+  another order), so a restored state continues exactly as the same chunked
+  prefill does, not as a one-pass prefill.
+* Any other kind (another recurrent model, ``chunked_attention``, layers
+  holding two kinds at once): :func:`identity_for_model` raises ConfigError,
+  rather than store a state it cannot restore exactly.
 
 Blocking; call from one thread per ``HFPrefixCache`` (the store itself is
 thread-safe). Batch size 1: one sequence per call.
@@ -24,7 +55,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,7 +67,18 @@ from kvstore.connectors._common import (
     rope_fields,
 )
 from kvstore.errors import ConfigError, MissingDependency, pip_extra
-from kvstore.identity import CacheIdentity, KVLayout
+from kvstore.groups import (
+    GroupChains,
+    GroupHit,
+    GroupSavings,
+    kept,
+    lookup_groups,
+    needed,
+    resume_points,
+    usable_prefix,
+    window_blocks,
+)
+from kvstore.identity import DTYPE_BYTES, CacheIdentity, KVGroup, KVLayout
 from kvstore.keys import BlockKey, block_keys
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
@@ -47,6 +89,14 @@ try:
     import torch
 except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise MissingDependency("kvstore.connectors.hf", pip_extra("hf")) from exc
+
+# transformers 5 layer_types -> our group kinds; layers of no state ("dummy",
+# "moe", "mlp": a KV-sharing consumer or a layer without attention) join no group
+_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding_window",
+                "linear_attention": "recurrent"}
+_STATELESS = ("dummy", "moe", "mlp")
+# recurrent models whose state layout we know: model_type -> per-layer state shapes
+_RECURRENT_MODELS = ("qwen3_next",)
 
 
 def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = None,
@@ -60,27 +110,93 @@ def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = 
     Layout, dtype, RoPE and the attention implementation come from the model;
     revisions, adapter, chat template and tenant salt from the caller (a model
     loaded from a local directory has no trustworthy revision of its own).
+    A model of more than one kind of layer (``layer_types``) gets a grouped
+    identity, one group per kind (see the module docstring); a kind this
+    connector cannot restore exactly raises ConfigError.
     """
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
-        else model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    layout = KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                      block_tokens=block_tokens, dtype=dtype_name(dtype or model.dtype),
-                      attention=attention_kind(heads, kv_heads, sliding_window=window),
-                      sliding_window=window or None)
+    cfg = _text_config(model.config)
     theta, scaling = rope_fields(cfg)
     revision = model_revision or getattr(model.config, "_commit_hash", None) or "local"
-    return build_identity(
+    groups = model_groups(cfg, block_tokens=block_tokens, dtype=dtype_name(dtype or model.dtype))
+    fields = build_identity(
         engine="transformers", model_id=model_id or cfg._name_or_path or cfg.model_type,
-        layout=layout, model_revision=revision, tokenizer_id=tokenizer_id,
+        layout=groups[0].layout, model_revision=revision, tokenizer_id=tokenizer_id,
         tokenizer_revision=tokenizer_revision, adapter_id=adapter_id,
         adapter_revision=adapter_revision, chat_template_revision=chat_template_revision,
         cache_salt=cache_salt, key_hash=key_hash, rope_theta=theta, rope_scaling=scaling,
         # the attention kernel changes later layers' K/V bits (eager vs sdpa)
         engine_extra={"attn": str(getattr(model.config, "_attn_implementation", "") or "")})
+    if len(groups) == 1:
+        return fields
+    return CacheIdentity.grouped(groups, **{f: getattr(fields, f) for f in _IDENTITY_FIELDS})
+
+
+_IDENTITY_FIELDS = ("model_id", "model_revision", "tokenizer_id", "tokenizer_revision", "kv_quant",
+                    "rope_theta", "rope_scaling", "adapter_id", "adapter_revision",
+                    "chat_template_revision", "cache_salt", "key_hash", "extra")
+
+
+def model_groups(cfg: Any, *, block_tokens: int, dtype: str) -> tuple[KVGroup, ...]:
+    """One group per kind of layer state of a text config, full attention
+    first (group 0's lookup is the request's). A model of one kind is one
+    group whose layout is what this connector always built."""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    types = getattr(cfg, "layer_types", None)
+    if not types:      # no per-layer kinds: every layer is sliding (with a window) or full
+        types = ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+    odd = sorted({t for t in types if t not in _LAYER_KINDS and t not in _STATELESS})
+    if odd:
+        raise ConfigError(f"the transformers connector cannot store layers of type {odd} "
+                          f"({cfg.model_type}); known: {sorted(_LAYER_KINDS)}")
+    members: dict[str, list[int]] = {}
+    for i, t in enumerate(types):
+        if t in _LAYER_KINDS:
+            members.setdefault(_LAYER_KINDS[t], []).append(i)
+    out = []
+    for kind in ("full", "sliding_window", "recurrent"):
+        layers = tuple(members.get(kind, ()))
+        if not layers:
+            continue
+        if kind == "recurrent":
+            layout = KVLayout(num_layers=len(layers), num_kv_heads=1, head_dim=1,
+                              block_tokens=block_tokens, dtype=dtype, attention="recurrent",
+                              state_bytes=len(layers) * _state_elems(cfg) * DTYPE_BYTES[dtype])
+        else:
+            w = window if kind == "sliding_window" else None
+            if kind == "sliding_window" and not w:
+                raise ConfigError(f"{cfg.model_type}: sliding_attention layers but no sliding_window")
+            layout = KVLayout(num_layers=len(layers), num_kv_heads=kv_heads, head_dim=head_dim,
+                              block_tokens=block_tokens, dtype=dtype,
+                              attention=attention_kind(heads, kv_heads, sliding_window=w),
+                              sliding_window=w or None)
+        out.append(KVGroup(layers, layout))
+    if not out:
+        raise ConfigError(f"{cfg.model_type}: no layer holds a cache")
+    return tuple(out)
+
+
+def _state_shapes(cfg: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv state, recurrent state) of one linear-attention layer, batch 1 left out."""
+    if cfg.model_type not in _RECURRENT_MODELS:
+        raise ConfigError(f"the transformers connector does not know the recurrent state of "
+                          f"{cfg.model_type!r} models (known: {list(_RECURRENT_MODELS)}); "
+                          "it stores no state it cannot restore exactly")
+    # Qwen3-Next's gated delta net: the conv runs over q, k and v; the state is [Hv, Dk, Dv]
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    conv_dim = 2 * key_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return ((conv_dim, cfg.linear_conv_kernel_dim),
+            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def _state_elems(cfg: Any) -> int:
+    return sum(int(np.prod(s)) for s in _state_shapes(cfg))
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def cache_kwarg(model: Any) -> str:
@@ -92,75 +208,191 @@ def cache_kwarg(model: Any) -> str:
 
 @dataclass(slots=True)
 class Restored:
-    """What ``load`` found: a cache holding ``num_tokens`` tokens (maybe 0)."""
+    """What ``load`` found: a cache holding ``num_tokens`` tokens (maybe 0).
+
+    ``branch``: blocks the full-attention groups alone hold (pass it to
+    ``save``: a hybrid model stores its windows and states there too);
+    ``reason``: why ``num_blocks`` is shorter than that (``partial_group``).
+    ``misses``: the get results, group after group (one group: per block)."""
 
     cache: Any
     num_tokens: int
     num_blocks: int
     looked_up: int                                  # sealed blocks asked for
     misses: list[MissReason | None] = field(default_factory=list)
+    branch: int = 0
+    reason: MissReason | None = None
 
 
 class HFPrefixCache:
-    """Saves and restores one sequence's DynamicCache prefix through a store.
+    """Saves and restores one sequence's transformers cache prefix through a store.
 
     ``store`` is a blocking store (:class:`kvstore.store.sync.KVStore`): ``lookup``,
     ``put``, ``get_into``. The caller owns the model and the caches; this
-    object copies bytes in and out and keeps no tensors.
+    object copies bytes in and out and keeps no tensors. ``config`` (the
+    model's config) is needed for a model of sliding-window or recurrent
+    layers; ``checkpoint_blocks`` adds a resume point every that many blocks
+    (see :func:`kvstore.groups.resume_points`).
     """
 
-    def __init__(self, store: Store, identity: CacheIdentity, *, config: Any = None) -> None:
-        if identity.layout.attention == "mla":
+    def __init__(self, store: Store, identity: CacheIdentity, *, config: Any = None,
+                 checkpoint_blocks: int = 0) -> None:
+        if identity.layout.attention == "mla" or any(g.kind in ("mla", "indexer") for g in identity.groups):
             raise ConfigError("the transformers connector stores K and V; MLA models are not supported")
+        if not isinstance(checkpoint_blocks, int) or checkpoint_blocks < 0:
+            raise ConfigError(f"checkpoint_blocks must be an int >= 0, got {checkpoint_blocks!r}")
         self.store = store
         self.identity = identity
         self.config = config            # model config, to build caches of the right layer kinds
+        self.checkpoint_blocks = checkpoint_blocks
         self.guard = StoreGuard("hf")
-        L = identity.layout
-        self._shape = (L.num_layers, 2, L.block_tokens, L.num_kv_heads, L.head_dim)
-        self._dtype = getattr(torch, L.dtype)
+        self.savings = GroupSavings()   # bytes the keep rule left unstored, per kind
+        self.groups = GroupChains(identity).groups
+        self._idents = identity.group_identities
+        if config is None and any(g.kind != "full" for g in self.groups):
+            raise ConfigError("a model of sliding-window or recurrent layers needs config= "
+                              "(the model's config) to build its caches")
+        self._state_shapes = _state_shapes(_text_config(config)) \
+            if any(g.kind == "recurrent" for g in self.groups) else None
+        self._dtype = getattr(torch, identity.layout.dtype)
 
     def keys(self, input_ids: Any) -> list[BlockKey]:
+        """Group 0's keys (a plain model's only keys)."""
         return block_keys(self.identity, _tokens(input_ids))
 
-    # -- save -----------------------------------------------------------------
-    def save(self, input_ids: Any, cache: Any, *, skip: int = 0, task: TaskSession | None = None,
-             step: str | None = None) -> list[PutOutcome]:
-        """Store every sealed block of ``input_ids`` that ``cache`` holds.
+    def group_keys(self, input_ids: Any) -> list[list[BlockKey]]:
+        """Each group's keys of the sealed blocks of ``input_ids``."""
+        return [c.keys for c in _chains(self.identity, _tokens(input_ids)).chains]
 
-        ``skip`` leading blocks are not re-sent (the caller restored them).
-        Returns one outcome per block sent; puts are idempotent, so re-saving
+    def new_cache(self) -> Any:
+        """An empty DynamicCache for this model whose sliding-window layers
+        keep their past until ``save`` (which trims them)."""
+        from transformers import DynamicCache
+
+        if self.config is None:
+            return DynamicCache()
+        cache: Any = DynamicCache(config=self.config)
+        for g in self.groups:
+            if g.kind == "sliding_window":
+                for li in g.layers:
+                    cache.layers[li].activate_past_recording()
+        return cache
+
+    # -- save -----------------------------------------------------------------
+    def save(self, input_ids: Any, cache: Any, *, skip: int = 0, branch: int = 0,
+             states: dict[int, list[np.ndarray]] | None = None, task: TaskSession | None = None,
+             step: str | None = None) -> list[PutOutcome]:
+        """Store the sealed blocks of ``input_ids`` that ``cache`` holds and
+        the keep rule keeps (full attention: every block).
+
+        ``skip`` leading blocks are not re-sent (the caller restored them);
+        ``branch``: the ``Restored.branch`` of the load, a resume point where a
+        hybrid model keeps a window or state too; ``states``: recurrent
+        records by block count (``prefill`` takes them). Returns one outcome
+        per record sent, group after group; puts are idempotent, so re-saving
         a prefix costs a copy but changes nothing. With ``task`` (a
-        ``store.task_session(...)``) every sealed block, restored ones too,
-        becomes that task's ``step`` (idempotent: a re-saved step holds nothing more).
+        ``store.task_session(...)``) every record of the prefix, restored ones
+        too, becomes that task's ``step`` (idempotent: a re-saved step holds
+        nothing more).
         """
         tokens = _tokens(input_ids)
-        held = min(len(tokens), cache.get_seq_length())
-        every = block_keys(self.identity, tokens[:held])
-        keys = every[skip:]
+        B = self.identity.layout.block_tokens
+        held = min(len(tokens), int(cache.get_seq_length()))
+        end = held // B
+        chains = _chains(self.identity, tokens[:end * B])
+        points = resume_points(end, branch, self.checkpoint_blocks)
+        states = dict(states or {})
+        if self._state_shapes is not None and held == end * B and end > skip and end not in states:
+            states[end] = self._snapshot(cache)      # the cache itself sits on a block boundary
         outcome: list[PutOutcome] = []
-        if keys:
-            blocks = self._gather(cache, skip, len(keys))
-            outcome = self.guard.call("put", lambda: self.store.put(self.identity, keys, list(blocks)),
-                                      [PutOutcome.UNAVAILABLE] * len(keys))
+        mine: list[BlockKey] = []
+        for g, group in enumerate(self.groups):
+            keys = chains.keys(g, end)
+            restored = list(needed(group, skip))
+            if group.kind == "recurrent":
+                idx = [p - 1 for p in points if p > skip and p in states]
+                blocks = [states[i + 1][g] for i in idx]
+            else:
+                want = [i for i in kept(group, end, points) if i >= skip or i not in restored]
+                idx = [i for i in want if self._held(cache, group, i)]
+                self.savings.add(group, len(idx), len(set(range(skip, end)) - set(want)))
+                blocks = list(self._gather(cache, group, idx)) if idx else []
+            mine += [keys[i] for i in restored if i < len(keys)]   # loaded: the task holds them too
+            if idx:
+                sent = [keys[i] for i in idx]
+                got = self.guard.call("put", lambda: self.store.put(self._idents[g], sent, blocks),
+                                      [PutOutcome.UNAVAILABLE] * len(idx))
+                outcome += got
+                mine += [k for k, o in zip(sent, got) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
+        self._trim(cache, end)
         if task is not None:
-            stored = [k for k, o in zip(keys, outcome) if o in (PutOutcome.STORED, PutOutcome.EXISTS)]
-            mine = every[:skip] + stored
-            name = step if step is not None else f"save-{len(every)}"
+            name = step if step is not None else f"save-{end}"
             self.guard.call("task", lambda: task.append(name, mine, idem=name), False)
         return outcome
 
-    def _gather(self, cache: Any, first: int, count: int) -> np.ndarray:
-        """[count, block_bytes] uint8: blocks first..first+count of every layer."""
+    def _held(self, cache: Any, group: KVGroup, i: int) -> bool:
+        """Whether every layer of ``group`` holds block i's K/V."""
         B = self.identity.layout.block_tokens
-        lo, hi = first * B, (first + count) * B
-        out = torch.empty((count,) + self._shape, dtype=self._dtype)
-        for li in range(self._shape[0]):
+        for li in group.layers:
+            lo, hi = _span(cache, li)
+            if not lo <= i * B or (i + 1) * B > hi:
+                return False
+        return True
+
+    def _gather(self, cache: Any, group: KVGroup, idx: Sequence[int]) -> np.ndarray:
+        """[len(idx), block_bytes] uint8: blocks idx of every layer of ``group``."""
+        L = group.layout
+        B, H, D = L.block_tokens, L.num_kv_heads, L.head_dim
+        out = torch.empty((len(idx), len(group.layers), 2, B, H, D), dtype=self._dtype)
+        for j, li in enumerate(group.layers):
+            start, _ = _span(cache, li)
             k, v = _layer_kv(cache, li)
-            # [1, H, S, D] -> [count, B, H, D]
-            out[:, li, 0] = k[0, :, lo:hi].permute(1, 0, 2).reshape(count, B, k.shape[1], k.shape[3])
-            out[:, li, 1] = v[0, :, lo:hi].permute(1, 0, 2).reshape(count, B, v.shape[1], v.shape[3])
-        return out.reshape(count, -1).view(torch.uint8).numpy()
+            for n, i in enumerate(idx):
+                lo = i * B - start
+                # [1, H, S, D] -> [B, H, D]
+                out[n, j, 0] = k[0, :, lo:lo + B].permute(1, 0, 2)
+                out[n, j, 1] = v[0, :, lo:lo + B].permute(1, 0, 2)
+        return out.reshape(len(idx), -1).view(torch.uint8).numpy()
+
+    def _snapshot(self, cache: Any) -> list[np.ndarray]:
+        """Each group's recurrent record as the cache holds it now (empty for
+        the other groups): every layer's conv state then recurrent state."""
+        out: list[np.ndarray] = []
+        for group in self.groups:
+            if group.kind != "recurrent":
+                out.append(np.empty(0, np.uint8))
+                continue
+            parts = []
+            for li in group.layers:
+                layer = cache.layers[li]
+                for t in (layer.conv_states[0], layer.recurrent_states[0]):
+                    if t is None or t.dtype != self._dtype:
+                        raise ConfigError(f"layer {li}'s recurrent state is "
+                                          f"{None if t is None else t.dtype}, not {self._dtype}")
+                    parts.append(t[0].reshape(-1))
+            rec = torch.cat(parts).contiguous().view(torch.uint8).numpy().copy()
+            if len(rec) != group.layout.block_bytes:
+                raise ConfigError(f"a recurrent record of {len(rec)} bytes, the layout says "
+                                  f"{group.layout.block_bytes}")
+            out.append(rec)
+        return out
+
+    def _trim(self, cache: Any, end: int) -> None:
+        """Drop the past a recording sliding layer holds that no later save of
+        this sequence can need (anything before the window of its sealed end)."""
+        for group in self.groups:
+            if group.kind != "sliding_window":
+                continue
+            assert group.layout.sliding_window is not None
+            W, B = group.layout.sliding_window, group.layout.block_tokens
+            start = max(0, end - window_blocks(W, B)) * B
+            for li in group.layers:
+                layer = cache.layers[li]
+                lo, hi = _span(cache, li)
+                keep = max(hi - max(lo, start), W - 1)
+                if getattr(layer, "record_past", False) and hi - lo > keep:
+                    layer.keys = layer.keys[:, :, -keep:]
+                    layer.values = layer.values[:, :, -keep:]
 
     # -- load -----------------------------------------------------------------
     def load(self, input_ids: Any, *, max_tokens: int | None = None,
@@ -176,37 +408,134 @@ class HFPrefixCache:
         """
         followup = check_followup(followup)
         tokens = _tokens(input_ids)
+        B = self.identity.layout.block_tokens
         limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
-        keys = block_keys(self.identity, tokens[:max(limit, 0)])
-        found = self.guard.call("lookup", lambda: self.store.lookup(keys, followup=followup).prefix_blocks,
-                                0) if keys else 0
-        bufs = np.empty((found, self.identity.layout.block_bytes), dtype=np.uint8)
+        upto = max(limit, 0) // B
+        chains = _chains(self.identity, tokens[:upto * B])
+        hit = self.guard.call("lookup", lambda: lookup_groups(self.store, chains, upto, followup=followup),
+                              GroupHit(0, 0, None)) if upto else GroupHit(0, 0, None)
+        n = hit.blocks
+        present: list[list[bool]] = []
+        bufs: list[np.ndarray] = []
         misses: list[MissReason | None] = []
-        if found:
-            misses = self.guard.call(
-                "get", lambda: self.store.get_into(self.identity, keys[:found], list(bufs)),
-                [MissReason.TIER_UNAVAILABLE] * found)
-        # a block may vanish or fail its checksum between lookup and get: the
-        # prefix ends at the first one that did not arrive
-        got = next((i for i, m in enumerate(misses) if m is not None), found)
-        cache = self._scatter(bufs[:got])
-        return Restored(cache, got * self.identity.layout.block_tokens, got, len(keys), misses)
+        for g, group in enumerate(self.groups):
+            idx = list(needed(group, n))
+            buf = np.empty((len(idx), group.layout.block_bytes), dtype=np.uint8)
+            keys = [chains.keys(g, n)[i] for i in idx]
+            got: list[MissReason | None] = []
+            if idx:
+                got = self.guard.call("get", lambda: self.store.get_into(self._idents[g], keys, list(buf)),
+                                      [MissReason.TIER_UNAVAILABLE] * len(idx))
+            p = [False] * n
+            for i, m in zip(idx, got):
+                p[i] = m is None
+            present.append(p)
+            bufs.append(buf)
+            misses += got
+        # a record may vanish or fail its checksum between lookup and get: the
+        # prefix ends where every group still has what it needs
+        reason = hit.reason
+        if not all(m is None for m in misses):
+            n, why = usable_prefix(self.groups, present, n)
+            reason = reason or why
+        cache = self._build(n, bufs, hit.blocks)
+        return Restored(cache, n * B, n, upto, misses, hit.whole, reason)
 
-    def _scatter(self, bufs: np.ndarray) -> Any:
-        from transformers import DynamicCache
-
-        n = len(bufs)
+    def _build(self, n: int, bufs: list[np.ndarray], fetched: int) -> Any:
+        """A cache as a fresh prefill of ``n`` blocks leaves it, from the
+        records fetched for a prefix of ``fetched`` blocks (``bufs[g]`` holds
+        ``needed(group g, fetched)``)."""
+        cache = self.new_cache()
         if n == 0:
-            return DynamicCache(config=self.config) if self.config is not None else DynamicCache()
-        L, _, B, H, D = self._shape
-        t = torch.from_numpy(bufs).view(self._dtype).reshape(n, L, 2, B, H, D)
-        layers = []
-        for li in range(L):
-            # [n, B, H, D] -> [1, H, n*B, D]; contiguous: the cache owns its memory
-            k = t[:, li, 0].reshape(n * B, H, D).permute(1, 0, 2).unsqueeze(0).contiguous()
-            v = t[:, li, 1].reshape(n * B, H, D).permute(1, 0, 2).unsqueeze(0).contiguous()
-            layers.append((k, v))
-        return DynamicCache(layers, config=self.config) if self.config is not None else DynamicCache(layers)
+            return cache
+        B = self.identity.layout.block_tokens
+        for g, group in enumerate(self.groups):
+            first = needed(group, fetched).start
+            idx = needed(group, n)
+            rows = bufs[g][idx.start - first:idx.stop - first]
+            if group.kind == "recurrent":
+                self._put_state(cache, group, rows[0], n * B)
+                continue
+            L = group.layout
+            H, D = L.num_kv_heads, L.head_dim
+            t = torch.from_numpy(rows).view(self._dtype).reshape(len(rows), len(group.layers), 2, B, H, D)
+            for j, li in enumerate(group.layers):
+                # [n, B, H, D] -> [1, H, n*B, D]; contiguous: the cache owns its memory
+                k = t[:, j, 0].reshape(-1, H, D).permute(1, 0, 2).unsqueeze(0).contiguous()
+                v = t[:, j, 1].reshape(-1, H, D).permute(1, 0, 2).unsqueeze(0).contiguous()
+                cache.update(k, v, li)
+                if group.kind == "sliding_window":
+                    # a fresh prefill's layer has counted every token, not just the window's
+                    cache.layers[li].cumulative_length = n * B
+        return cache
+
+    def _put_state(self, cache: Any, group: KVGroup, record: np.ndarray, tokens: int) -> None:
+        assert self._state_shapes is not None
+        conv_shape, rec_shape = self._state_shapes
+        flat = torch.from_numpy(record.copy()).view(self._dtype)
+        cut = int(np.prod(conv_shape))
+        per_layer = cut + int(np.prod(rec_shape))
+        for j, li in enumerate(group.layers):
+            part = flat[j * per_layer:(j + 1) * per_layer]
+            conv = part[:cut].reshape(1, *conv_shape)
+            rec = part[cut:].reshape(1, *rec_shape)
+            layer = cache.layers[li]
+            layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv_shape[-1])
+            layer.lazy_initialization(recurrent_states=rec)
+            layer.conv_states[0].copy_(conv)
+            layer.recurrent_states[0].copy_(rec)
+            layer.has_previous_state[0] = True
+            layer.cumulative_length_linear.fill_(tokens)
+
+    # -- both -------------------------------------------------------------------
+    def prefill(self, model: Any, input_ids: Any, *, followup: float | None = None,
+                task: TaskSession | None = None, step: str | None = None) -> tuple[Any, Any, Restored]:
+        """Load the longest stored prefix, run ``model`` over the rest and save:
+        returns (logits of the tokens computed, the cache, what was restored).
+
+        A model with a recurrent group runs the rest in chunks that end at
+        the resume points, to store its state there; others in one pass."""
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(_tokens(input_ids))
+        ids = ids.reshape(1, -1)
+        B = self.identity.layout.block_tokens
+        restored = self.load(ids, followup=followup)
+        S = ids.shape[1]
+        stops = [S]
+        if self._state_shapes is not None:
+            points = resume_points(S // B, restored.branch, self.checkpoint_blocks)
+            stops = sorted({p * B for p in points if p > restored.num_blocks} | {S})
+        cache, pos, logits, states = restored.cache, restored.num_tokens, [], {}
+        kw = {cache_kwarg(model): cache, "use_cache": True}
+        with torch.no_grad():
+            for stop in stops:
+                if stop > pos:
+                    logits.append(model(ids[:, pos:stop], **kw).logits)
+                    pos = stop
+                if stop % B == 0 and self._state_shapes is not None:
+                    states[stop // B] = self._snapshot(cache)
+        self.save(ids, cache, skip=restored.num_blocks, branch=restored.branch, states=states,
+                  task=task, step=step)
+        return torch.cat(logits, dim=1), cache, restored
+
+
+def _chains(identity: CacheIdentity, tokens: np.ndarray) -> GroupChains:
+    """Every group's key chain over ``tokens`` (KeyChain takes the array as is)."""
+    chains = GroupChains(identity)
+    for chain in chains.chains:
+        chain.extend(tokens)
+    return chains
+
+
+def _span(cache: Any, li: int) -> tuple[int, int]:
+    """The token positions [lo, hi) layer li's keys hold (a sliding layer
+    holds only its last ones)."""
+    layer = cache.layers[li] if getattr(cache, "layers", None) is not None else None
+    k, _ = _layer_kv(cache, li)
+    if k is None or k.numel() == 0:
+        return 0, 0
+    held = k.shape[-2]
+    hi = getattr(layer, "cumulative_length", held) if getattr(layer, "is_sliding", False) else held
+    return hi - held, hi
 
 
 def _layer_kv(cache: Any, li: int) -> tuple[Any, Any]:
