@@ -16,11 +16,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hf connector needs torch")
 pytest.importorskip("transformers", reason="the hf connector needs transformers")
 
-from kvstore.connectors.hf import HFPrefixCache, cache_kwarg, identity_for_model  # noqa: E402
-from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.groups import window_blocks  # noqa: E402
-from kvstore.outcomes import MissReason, PutOutcome  # noqa: E402
-from tests.connectors.stores import CorruptOnRead  # noqa: E402
+from kvstore.connectors.hf import HFPrefixCache, cache_kwarg, identity_for_model
+from kvstore.errors import ConfigError
+from kvstore.groups import window_blocks
+from kvstore.outcomes import MissReason, PutOutcome
+from tests.connectors.stores import CorruptOnRead
 
 pytestmark = pytest.mark.hf
 BT = 16                      # block tokens
