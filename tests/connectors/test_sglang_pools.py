@@ -512,3 +512,53 @@ def test_exists_v2_matches_the_reference_model(model, case):
     assert hit.reason == (MissReason.PARTIAL_GROUP if hit.pages < whole else None)
     res = backend.batch_exists_v2(hashes, transfers)
     assert (res.kv_hit_pages, res.restorable_prefix_pages) == (hit.pages, ok)
+
+
+# -- through a real daemon, two tenants ---------------------------------------------------
+@pytest.mark.slow
+def test_every_pool_through_the_daemon_round_trips_and_stays_in_its_tenant(tmp_path):
+    """A hybrid model's four pools saved through a real `kvstore serve` by
+    one tenant: another backend of that tenant reads every pool back byte
+    for byte at the hit the rule gives; the other tenant, same pages, hits
+    nothing and reads nothing."""
+    from kvstore.bench.daemon_proc import DaemonProc
+
+    sock = tmp_path / "kv.sock"
+    tok_a, tok_b = "sglang-pools-token-a-0001", "sglang-pools-token-b-0002"
+    config = {"store": {"dram": {"capacity_bytes": "512MiB", "page_bytes": "4MiB"}},
+              "daemon": {"listen": {"unix_path": str(sock)},
+                         "tenants": [{"name": "a", "token": tok_a}, {"name": "b", "token": tok_b}]}}
+    daemon = DaemonProc(tmp_path, tok_a, config=config).start()
+    try:
+        def remote(token: str) -> dict:
+            return {**EXTRA, "sliding_window": WINDOW,
+                    "store": {"remote": {"url": f"unix://{sock}", "token": token}}}
+
+        src = Pools(31)
+        writer = backend_for(src, remote(tok_a))
+        hashes = page_keys(tokens(90, 6))
+        save(writer, hashes, swa=[3, 4, 5], mamba=[5], indexer=range(6))
+        dst = Pools(32)
+        reader = backend_for(dst, remote(tok_a))
+        hit = reader.pool_hit(hashes, probe())
+        assert (hit.pages, hit.whole, hit.reason) == (6, 6, None)
+        slots = [10, 11, 12, 13, 14, 15]
+        assert reader.batch_get_v1(hashes, kv_indices(slots)) == [True] * 6
+        got = reader.batch_get_v2([xfer(PoolName.SWA, hashes[3:], slots[3:]),
+                                   xfer(PoolName.MAMBA, hashes[5:], [9]),
+                                   xfer(PoolName.INDEXER, hashes, slots)])
+        assert got == {"swa": [True] * 3, "mamba": [True], "indexer": [True] * 6}
+        for s, d in zip(range(6), slots):
+            assert torch.equal(src.kv.get_data_page(s * PAGE), dst.kv.get_data_page(d * PAGE))
+            assert torch.equal(src.indexer.get_data_page(s * PAGE), dst.indexer.get_data_page(d * PAGE))
+        for s, d in zip(range(3, 6), slots[3:]):
+            assert torch.equal(src.swa.get_data_page(s * PAGE), dst.swa.get_data_page(d * PAGE))
+        assert torch.equal(src.mamba.get_data_page(5), dst.mamba.get_data_page(9))
+        # the other tenant, the same pages: nothing found, nothing read
+        other = Pools(33)
+        stranger = backend_for(other, remote(tok_b))
+        assert stranger.pool_hit(hashes, probe()).pages == 0
+        assert stranger.batch_get_v1(hashes, kv_indices(slots)) == [False] * 6
+        assert stranger.batch_get_v2([xfer(PoolName.MAMBA, hashes[5:], [9])]) == {"mamba": [False]}
+    finally:
+        daemon.stop()
