@@ -86,10 +86,13 @@ def usable_prefix(groups: Sequence[KVGroup], present: Sequence[Sequence[bool]],
     for g, p in zip(groups, present):
         if g.kind in WHOLE_PREFIX_KINDS:
             whole = min(whole, _run(p, whole))
+    # a model of windows and states alone (every layer sliding, say) has
+    # no whole prefix to fall short of: its misses are the blocks' own
+    partial = MissReason.PARTIAL_GROUP if any(g.kind in WHOLE_PREFIX_KINDS for g in groups) else None
     for n in range(whole, 0, -1):
         if all(all(i < len(p) and p[i] for i in needed(g, n)) for g, p in zip(groups, present)):
-            return n, (MissReason.PARTIAL_GROUP if n < whole else None)
-    return 0, (MissReason.PARTIAL_GROUP if whole else None)
+            return n, (partial if n < whole else None)
+    return 0, (partial if whole else None)
 
 
 def _run(p: Sequence[bool], limit: int) -> int:
@@ -191,6 +194,8 @@ def lookup_groups(store: _Looks, chains: GroupChains, upto: int, *,
         if group.kind in WHOLE_PREFIX_KINDS:
             whole = min(whole, _run(p, whole))
     blocks, reason = usable_prefix(groups, present, upto)
+    if not any(g.kind in WHOLE_PREFIX_KINDS for g in groups):
+        whole = blocks          # no stored prefix to part from but the hit itself
     return GroupHit(blocks, whole, reason)
 
 

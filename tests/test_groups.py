@@ -209,6 +209,18 @@ def test_a_sliding_window_keeps_only_the_windows_before_its_resume_points():
     assert kept(full((2,)), 5, [5]) == [0, 1, 2, 3, 4]
 
 
+def test_a_model_of_sliding_layers_alone_hits_by_its_windows_and_never_says_partial_group():
+    g = (swa((0, 1), window=40),)          # Mistral-style: every layer sliding
+    T, F = True, False
+    assert usable_prefix(g, [[F] * 6 + [T] * 4], 10) == (10, None)
+    assert usable_prefix(g, [[T] * 4 + [F] * 6], 10) == (4, None)
+    assert usable_prefix(g, [[F] * 10], 10) == (0, None)
+    ident = CacheIdentity.grouped(g, model_id="m")
+    assert not ident.groups and ident.layout.attention == "sliding_window"   # a plain identity
+    chains = GroupChains(ident)
+    assert chains.groups == g
+
+
 def test_a_missing_window_block_shortens_the_hit_and_says_partial_group():
     groups = GEMMA
     T, F = True, False
