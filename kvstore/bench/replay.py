@@ -31,6 +31,12 @@ data plane, session rows go through the real store too and are checked
 like the others. ``hbm-only`` gets no sessions: the engine's own prefix
 cache is nobody's to hold.
 
+A model preset (``model``, :mod:`kvstore.bench.models`): the report gains
+what a store of that model's groups keeps of the trace beside what its
+full-attention twin keeps (:func:`group_footprint`), in bytes per token
+stored. The policies' rows do not change with it (their hits are the
+full-attention prefix's).
+
 ``oracle_noise`` flips each of the oracle's hints with that probability
 (seeded): hints of a given quality - a binary predictor that errs on a
 share p of requests has AUC 1 - p - so the replay shows how good a
@@ -46,10 +52,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvstore.bench.costmodel import CostModel, make_cost_model
+from kvstore.bench.models import ModelSpec, preset
 from kvstore.bench.simulate import PlanReplay, StepResult
 from kvstore.bench.tasks import TaskReplay
 from kvstore.bench.trace import TraceRequest, read_trace
 from kvstore.errors import ConfigError
+from kvstore.groups import GroupSavings, kept, resume_points
 from kvstore.policies.admission import AIMDAdmission, AIMDConfig
 from kvstore.policies.base import EvictionPolicy, PlacementPolicy
 from kvstore.policies.belady import belady_tier_hits
@@ -94,8 +102,11 @@ class ReplayConfig:
     seed: int = 0                     # for oracle_noise
     sessions: str = "off"             # agent task sessions: off, on, or both side by side
     admission: str = "off"            # AIMD admission of tasks to sessions: off, on, or both
+    model: str | None = None          # a model preset (kvstore.bench.models): bytes per token stored
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            preset(self.model)        # a ConfigError naming the known presets
         if self.hbm_tokens < self.block_tokens:
             raise ConfigError("hbm_tokens must hold at least one block")
         if min(self.dram_tokens, self.nvme_tokens, self.redis_tokens) < 0 or self.block_tokens < 1:
@@ -516,6 +527,10 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
                          "window_s": cfg.window_s, "requests": len(requests),
                          "workload_duration_s": workload_duration_s},
               "command": command}
+    if cfg.model is not None:       # without a preset the report is what it always was
+        spec = preset(cfg.model)
+        result["config"]["model"] = cfg.model
+        result["groups"] = groups_report(requests, spec, cfg)
     for name, key in GAP_KEYS:
         if {"lru", name, "belady"} <= policies.keys():
             lru, reg, bel = (policies[p]["hit_rate"] for p in ("lru", name, "belady"))
@@ -529,6 +544,50 @@ def run_replay(requests: Sequence[TraceRequest], cfg: ReplayConfig, *,
         from kvstore.bench.plots import plot_replay
         result["plots"] = plot_replay(result, plots_dir)
     return result
+
+
+def group_footprint(requests: Sequence[TraceRequest], spec: ModelSpec, cfg: ReplayConfig) -> dict:
+    """What a store of ``spec``'s groups keeps of ``requests``: every
+    request's sealed blocks, each record once, none evicted (a footprint,
+    the same for every policy). A full-attention group keeps every block; a
+    sliding-window group only the windows before its resume points
+    (:func:`kvstore.groups.kept`): the request's end and its branch point,
+    where the blocks an earlier request stored end (ids are chained: a
+    stored id means its whole prefix is stored). ``bytes_per_token_stored``
+    divides the records' bytes by the tokens of the distinct sealed blocks."""
+    groups = spec.groups(cfg.block_tokens)
+    stored: set[int] = set()                           # sealed blocks some request stored
+    records: list[set[int]] = [set() for _ in groups]  # per group, the blocks it holds a record of
+    for req in requests:
+        end = storable(req, cfg)
+        ids = req.hash_ids[:end]
+        branch = 0
+        while branch < end and ids[branch] in stored:
+            branch += 1
+        points = resume_points(end, branch)
+        for group, held in zip(groups, records):
+            held.update(ids[i] for i in kept(group, end, points))
+        stored.update(ids)
+    savings = GroupSavings()
+    for group, held in zip(groups, records):
+        savings.add(group, len(held), len(stored) - len(held))
+    tokens = len(stored) * cfg.block_tokens
+    total = sum(savings.stored_bytes.values())
+    return {"model": spec.name, "tokens_stored": tokens, "bytes_stored": total,
+            "bytes_per_token_stored": total / tokens if tokens else None,
+            "groups": [{"kind": g.kind, "layers": len(g.layers), "window": g.layout.sliding_window,
+                        "records": len(held), "bytes": len(held) * g.layout.block_bytes}
+                       for g, held in zip(groups, records)],
+            "skipped_bytes": savings.skipped_bytes}
+
+
+def groups_report(requests: Sequence[TraceRequest], spec: ModelSpec, cfg: ReplayConfig) -> dict:
+    """``spec``'s footprint and its full-attention twin's over the same
+    requests, and the ratio of their bytes per token stored."""
+    ours, twin = group_footprint(requests, spec, cfg), group_footprint(requests, spec.twin(), cfg)
+    a, b = ours["bytes_per_token_stored"], twin["bytes_per_token_stored"]
+    return {"block_tokens": cfg.block_tokens, "model": ours, "twin": twin,
+            "ratio": a / b if a is not None and b else None}
 
 
 def session_goals(policies: dict) -> dict:

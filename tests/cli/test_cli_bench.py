@@ -310,3 +310,32 @@ def test_scorecard_table_fits_80_columns_and_wide_has_every_policy():
     help_text = " ".join(invoke("bench", "scorecard", "--help").output.split())
     for col in ("case", "TTFT vs best", "hit vs lru", "gap closed", "POLICY*"):
         assert col in help_text, col
+
+
+# -- 5. --model: a preset's bytes per token stored beside its full-attention twin's ---------------
+def test_replay_model_preset_adds_the_bytes_per_token_rows(tmp_path, narrow):
+    out = tmp_path / "r.json"
+    r = invoke(*QUICK, "--no-data-plane", "--policy", "lru,belady", "--model", "gemma3-12b", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    assert_fits_80(r.output)
+    flat = " ".join(r.output.split())
+    assert "bytes per token stored" in flat and "8 full + 40 window 1024" in flat
+    assert re.search(r"gemma3-12b-full\s.*48 full\s.*384\.0 KiB\s.*1\.00x", r.output)
+    data = json.loads(out.read_text())
+    ratio = data["groups"]["ratio"]
+    assert 0 < ratio < 1 and f"{ratio:.2f}x" in r.output
+    assert "model: gemma3-12b: 64 KiB of K/V" in flat            # the cost model is the preset's too
+
+
+def test_replay_without_model_prints_no_group_rows(narrow):
+    r = invoke(*QUICK, "--no-data-plane", "--policy", "lru,belady")
+    assert r.exit_code == 0, r.output
+    assert "bytes per token stored" not in r.output and "model llama3-8b" in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("command", [["bench", "replay", "--workload", "agent"], ["bench", "sweep"]])
+def test_an_unknown_model_preset_is_a_usage_error_naming_the_known_ones(command):
+    r = invoke(*command, "--model", "gemma-3")
+    assert r.exit_code == 2
+    flat = " ".join(r.output.split())
+    assert "unknown model preset 'gemma-3'" in flat and "gemma3-12b" in flat and "gpt-oss-20b" in flat
