@@ -179,16 +179,22 @@ def lookup_groups(store: _Looks, chains: GroupChains, upto: int, *,
                   followup: float | None = None, probe: bool = False) -> GroupHit:
     """Look up blocks [0, upto) of every group in ``store`` and apply the hit
     rule. The first group's lookup is the request's (counted unless
-    ``probe``); the other groups' are probes of the same request."""
+    ``probe``); the other groups' keys go in one probe of the same request
+    (a lookup takes keys of any namespace: one round trip to a daemon, not
+    one per group)."""
     groups = chains.groups
-    present: list[list[bool]] = []
-    for gi in range(len(groups)):
-        keys = chains.keys(gi, upto)
-        if not keys:
-            present.append([])
-            continue
-        res = store.lookup(keys, followup=followup if gi == 0 else None, probe=probe or gi > 0)
-        present.append([t is not None for t in res.tiers])
+    keys = [chains.keys(gi, upto) for gi in range(len(groups))]
+    present: list[list[bool]] = [[] for _ in groups]
+    if keys[0]:
+        first = store.lookup(keys[0], followup=followup, probe=probe)
+        present[0] = [t is not None for t in first.tiers]
+    rest = [k for ks in keys[1:] for k in ks]
+    if rest:
+        tiers = store.lookup(rest, probe=True).tiers
+        at = 0
+        for gi in range(1, len(groups)):
+            present[gi] = [t is not None for t in tiers[at:at + len(keys[gi])]]
+            at += len(keys[gi])
     whole = upto
     for group, p in zip(groups, present):
         if group.kind in WHOLE_PREFIX_KINDS:

@@ -424,22 +424,27 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._extend(st, sealed)
         keep = self._keep(st)
-        for g in range(len(self.groups)):
-            # a sliding-window group's null blocks hold nothing (outside the
-            # window of a hit or of vLLM's own prefix cache): not saved
-            todo = [i for i in range(st.saved_upto, sealed)
-                    if _keeps(keep[g], i) and st.block_ids[g][i] != NULL_BLOCK]
-            if not todo:
-                continue
-            # skip blocks the store already holds (another request computed them);
-            # a probe: this request was counted when it was scheduled
-            keys = st.chains[0].keys(g, sealed)
-            nowhere: list[str | None] = [None] * len(todo)
-            held = self.guard.call(
-                "lookup", lambda: self.store.lookup([keys[i] for i in todo], probe=True).tiers, nowhere)
-            todo = [i for i, where in zip(todo, held) if where is None]
-            if todo:
-                meta.saves.append(self._block_plan(st, g, todo))
+        # a sliding-window group's null blocks hold nothing (outside the
+        # window of a hit or of vLLM's own prefix cache): not saved
+        fresh = [[i for i in range(st.saved_upto, sealed) if _keeps(keep[g], i) and st.block_ids[g][i] != NULL_BLOCK]
+                 for g in range(len(self.groups))]
+        # skip blocks the store already holds (another request computed them):
+        # one probe for every group's keys (a lookup takes keys of any
+        # namespace), not a daemon round trip per group; a probe: this
+        # request was counted when it was scheduled
+        keys: list[BlockKey] = []
+        for g, blocks in enumerate(fresh):
+            chain = st.chains[0].keys(g, sealed)
+            keys += [chain[i] for i in blocks]
+        nowhere: list[str | None] = [None] * len(keys)
+        held = self.guard.call("lookup", lambda: self.store.lookup(keys, probe=True).tiers, nowhere) \
+            if keys else nowhere
+        at = 0
+        for g, blocks in enumerate(fresh):
+            missing = [i for i, where in zip(blocks, held[at:at + len(blocks)]) if where is None]
+            at += len(blocks)
+            if missing:
+                meta.saves.append(self._block_plan(st, g, missing))
         st.saved_upto = sealed
 
     def _block_plan(self, st: _ReqState, group: int, blocks: list[int]) -> BlockPlan:
@@ -545,6 +550,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.base.for_group(plan.group).replace(**changes)
 
 
+# above this many runs of consecutive block ids a GPU gathers by index_select
+_MAX_RUN_COPIES = 8
+
+
 class _Table:
     """One group's layers: vLLM's paged per-layer caches in layer-index
     order, and this step's staging buffer for its saves."""
@@ -556,7 +565,8 @@ class _Table:
         self.layers: list[torch.Tensor] = []
         self.staging: torch.Tensor | None = None       # this step's slice of save_buf
         self.save_buf: torch.Tensor | None = None
-        self.ids: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None         # gather by index_select (a GPU's scattered ids)
+        self.runs: list[tuple[int, int, int]] = []   # else by these runs: (first row, first block, length)
         self.gathered: set[int] = set()
         self.saves: list[BlockPlan] = []
 
@@ -596,7 +606,7 @@ class _Table:
         self.saves, self.gathered = saves, set()
         n = sum(len(p.block_ids) for p in saves)
         if not n or not self.layers:
-            self.staging, self.ids = None, None
+            self.staging, self.ids, self.runs = None, None, []
             return
         first = self.layers[0]
         shape = (len(self.layers), *first.shape[1:])
@@ -605,8 +615,16 @@ class _Table:
             # kept across steps (grown, never shrunk) so its pages are faulted in once
             self.save_buf = torch.empty((n, *shape), dtype=first.dtype, pin_memory=first.is_cuda)
         self.staging = self.save_buf[:n]
-        self.ids = torch.tensor([b for p in saves for b in p.block_ids], dtype=torch.long,
-                                device=first.device)
+        ids = [b for p in saves for b in p.block_ids]
+        self.runs = _runs(list(range(n)), ids)
+        # on CPU (and on a GPU when vLLM's block ids come in a few runs) each
+        # layer is gathered by a slice copy per run straight into the staging
+        # buffer: index_select would first build an [n, ...] temporary per
+        # layer, a second copy of every byte into freshly faulted pages
+        # (measured: most of save_kv_layer's time on CPU). Many runs on a GPU
+        # take one index_select kernel instead of a DMA per run.
+        self.ids = None if not first.is_cuda or len(self.runs) <= _MAX_RUN_COPIES else \
+            torch.tensor(ids, dtype=torch.long, device=first.device)
 
 
 class _Worker:
@@ -688,8 +706,12 @@ class _Worker:
         t = self.tables[at[0]]
         if t.staging is None:
             return
-        assert t.ids is not None   # set with the staging buffer
-        t.staging[:, at[1]].copy_(kv_layer.index_select(0, t.ids), non_blocking=True)
+        into = t.staging[:, at[1]]
+        if t.ids is not None:
+            into.copy_(kv_layer.index_select(0, t.ids), non_blocking=True)
+        else:
+            for row, block, length in t.runs:
+                into[row:row + length].copy_(kv_layer[block:block + length], non_blocking=True)
         t.gathered.add(at[1])
 
     def finish_saves(self) -> list[tuple[BlockPlan, np.ndarray]]:
