@@ -14,11 +14,10 @@ directory: ``python -m kvstore.bench.gemma_model DIR [SPEC_JSON]``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
-from kvstore.bench.llama_model import build_tokenizer
+from kvstore.bench.llama_model import randomize, write_model_dir
 
 # 6 layers: two sliding-window layers then one full-attention layer, twice.
 # vLLM groups layers of one kind in groups of equal size (here 2): two
@@ -56,24 +55,12 @@ def build_model(seed: int = 0, scale: float = WEIGHT_SCALE, **overrides: Any):
     from transformers import Gemma3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(gemma_config(**overrides)).eval()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    return model
+    return randomize(Gemma3ForCausalLM(gemma_config(**overrides)).eval(), seed, scale)
 
 
 def save_model_dir(path: str, seed: int = 0, **overrides: Any) -> str:
     """Write config, safetensors weights and tokenizer files into ``path``."""
-    os.makedirs(path, exist_ok=True)
-    model = build_model(seed, **overrides)
-    model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(model.config.vocab_size).save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, f)
-    return path
+    return write_model_dir(path, build_model(seed, **overrides))
 
 
 if __name__ == "__main__":

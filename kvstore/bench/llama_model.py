@@ -75,19 +75,30 @@ def build_model(seed: int = 0, **overrides: Any):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(**overrides)).eval()
+    return randomize(LlamaForCausalLM(llama_config(**overrides)).eval(), seed, 0.08)
+
+
+def randomize(model: Any, seed: int, scale: float) -> Any:
+    """Every matrix of ``model`` drawn anew from N(0, scale^2), seeded."""
+    import torch
+
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed)
         for p in model.parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     return model
 
 
 def save_model_dir(path: str, seed: int = 0, **overrides: Any) -> str:
     """Write config, safetensors weights and tokenizer files into ``path``."""
+    return write_model_dir(path, build_model(seed, **overrides))
+
+
+def write_model_dir(path: str, model: Any) -> str:
+    """``model``'s config and safetensors weights, a tokenizer of its vocabulary
+    and a generation config, into ``path``."""
     os.makedirs(path, exist_ok=True)
-    model = build_model(seed, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(model.config.vocab_size).save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

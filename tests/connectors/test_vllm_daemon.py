@@ -88,11 +88,11 @@ def gen(i: str, tokens: list[int], salt: str | None = None, task: dict | None = 
 class Runner:
     """The runner process (its own session, so cleanup can end its engines too)."""
 
-    def __init__(self, py: str, spec_path: Path, out_path: Path, log_path: Path) -> None:
+    def __init__(self, py: str, spec_path: Path, out_path: Path, log_path: Path, script: str = RUNNER) -> None:
         self.out_path, self.log_path = out_path, log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [py, "-c", RUNNER, str(spec_path), str(out_path), str(HERE)], stdout=log,
+                [py, "-c", script, str(spec_path), str(out_path), str(HERE)], stdout=log,
                 stderr=subprocess.STDOUT, env=_driver_env(), cwd=str(ROOT), start_new_session=True)
 
     def results(self) -> dict:

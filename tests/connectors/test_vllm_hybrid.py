@@ -24,13 +24,12 @@ runs (a Mamba hybrid, sliding-window MLA): those are declined.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvstore.bench.daemon_proc import DaemonProc
-from tests.connectors.test_vllm import BS, HERE, ROOT, _driver_env, prompt, vllm_python
+from tests.connectors.test_vllm import BS, prompt, vllm_python
 from tests.connectors.test_vllm_daemon import Runner
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.slow]
@@ -84,12 +83,10 @@ for engine in spec["engines"]:
 
 
 class HybridRunner(Runner):
+    """The runner of test_vllm_daemon.py with this module's script, whose output holds more than results."""
+
     def __init__(self, py: str, spec_path: Path, out_path: Path, log_path: Path) -> None:
-        self.out_path, self.log_path = out_path, log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [py, "-c", RUNNER, str(spec_path), str(out_path), str(HERE)], stdout=log,
-                stderr=subprocess.STDOUT, env=_driver_env(), cwd=str(ROOT), start_new_session=True)
+        super().__init__(py, spec_path, out_path, log_path, script=RUNNER)
 
     def everything(self) -> dict:
         return json.loads(self.out_path.read_text())
