@@ -302,7 +302,10 @@ class HFPrefixCache:
         chains = _chains(self.identity, tokens[:end * B])
         points = resume_points(end, branch, self.checkpoint_blocks)
         states = dict(states or {})
-        if self._state_shapes is not None and held == end * B and end > skip and end not in states:
+        # the cache's own state is the state at `end` only when the cache ends
+        # there: after generate() it holds the generated tokens too
+        if self._state_shapes is not None and int(cache.get_seq_length()) == end * B and end > skip \
+                and end not in states:
             states[end] = self._snapshot(cache)      # the cache itself sits on a block boundary
         outcome: list[PutOutcome] = []
         mine: list[BlockKey] = []

@@ -88,12 +88,24 @@ def plan_groups(kv_cache_config: Any, num_heads: int, *, mla: bool) -> GroupPlan
         # exact types: a subclass (RSWA, attention sinks, sliding-window MLA,
         # the HiSparse/indexer specs, cross or encoder-only attention) holds
         # or reads its blocks its own way; a guessed layout would load garbage
+        role = getattr(spec, "cache_role", "sparse")
+        if type(spec) is MLAAttentionSpec and (getattr(role, "value", role) != "sparse"
+                                               or getattr(spec, "alignment", None) is not None
+                                               or getattr(spec, "model_version", None) is not None):
+            # DeepSeek's sparse-attention indexer keys share MLA's spec class
+            # (cache_role=indexer), and DeepSeek V4 pads its latents: neither
+            # is the plain latent-per-token page this connector stores
+            return decline(f"a {kind} group that is not a plain latent cache (an indexer's keys or "
+                           "DeepSeek V4's padded layout)")
         if type(spec) is SlidingWindowSpec:
             window: int | None = int(spec.sliding_window)
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-            # FullAttentionSpec carries a window when the hybrid manager is
-            # off: every block is allocated, the layer reads its window
-            window = getattr(spec, "sliding_window", None)
+            # with the hybrid manager off vLLM makes every layer's spec a
+            # FullAttentionSpec and merges them into one group whose spec
+            # carries the sliding layers' window beside layers that attend to
+            # every token: all blocks are allocated and some layers read them
+            # all, so the group is a whole prefix (model_id covers the window)
+            window = None
         else:
             return decline(f"a {kind} group: its blocks are not plain per-token K/V this connector can store")
         is_mla = type(spec) is MLAAttentionSpec or (mla and type(spec) is not SlidingWindowSpec)

@@ -328,6 +328,29 @@ def test_recurrent_state_restores_exactly_at_resume_points(qwen, qident):
         store.close()
 
 
+def test_a_cache_run_past_the_prompt_stores_no_state_for_the_prompts_end(qwen, qident):
+    """After tokens beyond the prompt ran through it (generate()), the
+    cache's recurrent state is the state after them, not at the prompt's
+    last block: save(prompt, cache) must not store it under that block."""
+    store = new_store()
+    try:
+        pc = HFPrefixCache(store, qident, config=qwen.config)
+        prompt = tokens(20, 4 * BT)
+        cache = pc.new_cache()
+        run(qwen, torch.cat([prompt, tokens(21, 3)], dim=1), cache)      # 3 tokens past block 4
+        pc.save(prompt, cache)
+        rec_keys = pc.group_keys(prompt)[1]
+        assert all(t is None for t in store.lookup(rec_keys, probe=True).tiers)
+        assert pc.load(torch.cat([prompt, tokens(22, 5)], dim=1)).num_blocks == 0
+        # on the boundary it is the state there, stored and restored exactly
+        at_end = pc.new_cache()
+        run(qwen, prompt, at_end)
+        pc.save(prompt, at_end)
+        assert store.lookup(rec_keys, probe=True).tiers[3] is not None
+    finally:
+        store.close()
+
+
 def test_recurrent_models_of_unknown_state_are_declined():
     """LFM2's conv layers hold a state this connector does not know the
     layout of: the identity is refused, nothing is ever stored."""
