@@ -34,6 +34,7 @@ How it works (vLLM 0.32's V1 interface):
   from that block on (the connector sets ``kv_load_failure_policy`` to
   ``recompute``: a cache must never fail a request). A store that is down
   answers lookups with zero hits and drops saves; nothing raises into vLLM.
+  A model of several KV cache groups loads the other way (below).
 
 Payload: per block, for each layer in layer-index order, the backend's own
 per-block view of the paged cache (``kv_cache[block_id]``, blocks are dim 0
@@ -53,6 +54,18 @@ the longest prefix every group can serve (``kvstore.groups.lookup_groups``).
 A model with a group the connector cannot store (Mamba and other recurrent
 state, indexers, sinks, ...) is declined with one log line at start: zero
 hits, no saves, the engine serves as without kvstore.
+
+Loads of a model of several groups are asynchronous in vLLM's sense: vLLM
+maps failed block ids back to requests only with one group (its scheduler
+raises on ``invalid_block_ids`` otherwise), so a failure must name the
+request. A hit is returned as an async load (``load_kv_async``): the request
+waits in WAITING_FOR_REMOTE_KVS, ``build_connector_meta`` plans its load in
+that same step though it computes nothing, the worker still loads it
+synchronously inside ``start_load_kv`` (vLLM calls it in steps without a
+forward pass too) and reports the request in ``finished_recving``, and in
+``failed_recving`` as well when any block did not arrive: vLLM then sets its
+computed tokens to 0 and recomputes it whole in fresh blocks; the connector
+saves it again from block 0 and offers it no second load.
 
 Threading: vLLM calls each side from one thread; the store is thread-safe
 and shared by both sides in one process (see ``shared_store``).
@@ -95,6 +108,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
         SupportsHMA,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -207,6 +221,9 @@ class BlockPlan:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockPlan] = field(default_factory=list)
     saves: list[BlockPlan] = field(default_factory=list)
+    # requests waiting for an async load this step (several groups): each
+    # must be reported finished, whatever its loads, or it waits forever
+    receiving: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -222,6 +239,7 @@ class _ReqState:
     followup: float | None = None            # the request's follow-up hint, if it gave one
     task: TaskHint | None = None             # the request's agent task, if it names one
     counted: bool = False                    # the store has counted this request's lookup
+    load_failed: bool = False                # an async load of it failed: vLLM recomputes it whole
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -247,6 +265,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # a model with a group the connector cannot store is served without
         # kvstore (fail closed), never refused: one line says which and why
         self.declined = self.plan.declined
+        # vLLM takes per-block load failures only from a model of one group:
+        # with more, loads are async and fail per request (module docstring)
+        self.async_loads = len(self.plan.groups) > 1
         if self.declined and role == KVConnectorRole.SCHEDULER:
             log.warning(decline_line(vllm_config.model_config.model, self.plan))
         local = process_local_tiers(self.config.tree)
@@ -263,6 +284,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvstore: setting kv_load_failure_policy=recompute")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.requests: dict[str, _ReqState] = {}
+            self.loading: list[str] = []     # async loads planned since the last build_connector_meta
             self.savings = GroupSavings()
             if self.declined:
                 return
@@ -338,6 +360,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.config.load or self.declined:
             return 0, False
         st = self._state(request)
+        if st.load_failed:
+            # its records were found and then failed to arrive: a second try
+            # could fail the same way again and again (a store that answers
+            # lookups but not reads); vLLM recomputes it instead
+            return 0, False
         st.hit = self._stored_prefix(st, request.num_tokens // self.block_size)
         if st.hit.reason is not None:
             log.debug("kvstore: %s hits %d blocks of %d the full-attention groups hold (%s)",
@@ -349,7 +376,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         new = hit_tokens - num_computed_tokens
         if new <= 0 or st.hit.blocks - num_computed_tokens // self.block_size < self.config.min_load_blocks:
             return 0, False
-        return new, False
+        return new, self.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -362,11 +389,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             first = end - -(-num_external_tokens // self.block_size)   # the last may be partial
             st.load = (first, end)
             st.saved_upto = max(st.saved_upto, end)
+            if self.async_loads:     # the request waits unscheduled: planned by the next build_connector_meta
+                self.loading.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata()
         if self.declined:
             return meta
+        for req_id in self.loading:
+            st = self.requests.get(req_id)
+            if st is not None:
+                self._plan_load(st, meta)
+            # reported even if it ended meanwhile: vLLM frees a request's
+            # blocks only once its receive is reported
+            meta.receiving.append(req_id)
+        self.loading = []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -407,15 +444,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 st.keep.append(keep)
         return st.keep
 
+    def _plan_load(self, st: _ReqState, meta: KVStoreConnectorMetadata) -> None:
+        if st.load is None:
+            return
+        first, end = st.load
+        self._extend(st, end)
+        for g, group in enumerate(self.groups):
+            todo = loadable(group, first, end, st.block_ids[g])
+            if todo:
+                meta.loads.append(self._block_plan(st, g, todo))
+        st.load = None
+
     def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
-        if st.load is not None:
-            first, end = st.load
-            self._extend(st, end)
-            for g, group in enumerate(self.groups):
-                todo = loadable(group, first, end, st.block_ids[g])
-                if todo:
-                    meta.loads.append(self._block_plan(st, g, todo))
-            st.load = None
+        self._plan_load(st, meta)
         if not self.config.save:
             return
         held_ids = min(len(ids) for ids in st.block_ids) if st.block_ids else 0
@@ -455,9 +496,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load get recomputed by vLLM: save them again
-        once they are (the worker dropped that step's saves of the request)."""
+        once they are (the worker dropped that step's saves of the request).
+
+        A failed async load (several groups) is recomputed from token 0 in
+        blocks vLLM allocates anew (it frees the request's blocks): saves
+        start over at block 0, over the block tables of its next schedule."""
+        if self.declined:
+            return
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            st = self.requests.get(req_id)
+            if st is not None:
+                st.load_failed, st.load, st.saved_upto = True, None, 0
         bad = getattr(connector_output, "invalid_block_ids", None)
-        if not bad or self.declined:
+        if not bad:
             return
         for st in self.requests.values():
             firsts = [i for ids in st.block_ids
@@ -505,14 +556,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if self.declined or not meta.loads:
+        if self.declined:
+            return
+        # done once this returns: the loads below run synchronously
+        self.worker.received.update(meta.receiving)
+        if not meta.loads:
             return
         if not self.worker.registered:
             self.worker.register_from_context(forward_context)
         for plan in meta.loads:
             ident = self._plan_identity(plan)
             keys = [BlockKey(k) for k in plan.keys[self.rank]]
-            if not self.worker.load(self.store, self.guard, ident, keys, plan.block_ids, plan.group):
+            failed = self.worker.load(self.store, self.guard, ident, keys, plan.block_ids, plan.group)
+            if self.async_loads:
+                if failed:      # vLLM recomputes the whole request
+                    self.worker.failed.add(plan.req_id)
+            elif failed:
+                self.worker.load_errors.update(failed)
                 # this step computes the request's later blocks on top of
                 # a hole: none of its saves this step may reach the store
                 self.worker.drop_saves(plan.req_id)
@@ -536,6 +596,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             n += len(keys)
         if n:
             log.debug("kvstore: saved %d records in %.1f ms", n, 1e3 * (time.perf_counter() - started))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The async loads of this step (several groups): every one is
+        finished, those with a block that did not arrive failed as well."""
+        if self.declined or not self.async_loads:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self.worker.received, self.worker.failed
+        self.worker.received, self.worker.failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.declined:
@@ -641,7 +710,9 @@ class _Worker:
         self.tables = [_Table(names, g, num_blocks) for names, g in zip(plan.layer_names, plan.groups)]
         self.index = {name: (g, li) for g, t in enumerate(self.tables) for li, name in enumerate(t.names)}
         self.registered = False
-        self.load_errors: set[int] = set()
+        self.load_errors: set[int] = set()      # one group: vLLM blocks that did not arrive
+        self.received: set[str] = set()          # several groups: requests whose async load is done
+        self.failed: set[str] = set()            # ... and of those, the ones with a block that did not arrive
         self._dropped: set[str] = set()
 
     # -- layer tables ----------------------------------------------------------
@@ -657,15 +728,14 @@ class _Worker:
 
     # -- load --------------------------------------------------------------------
     def load(self, store: Store, guard: StoreGuard, ident: CacheIdentity, keys: list[BlockKey],
-             block_ids: list[int], group: int = 0) -> bool:
+             block_ids: list[int], group: int = 0) -> list[int]:
         """Read ``keys`` (records of ``group``) and scatter them into
         ``block_ids`` of every layer of that group.
 
         The store hands over each batch where it landed (the daemon's shared
         memory: no copy out into a staging buffer) and the blocks go straight
-        into vLLM's cache. Blocks that did not arrive (missing, corrupt, store
-        down) are recorded in ``load_errors`` and their vLLM blocks left
-        untouched. Returns whether every block arrived.
+        into vLLM's cache. Returns the vLLM blocks that did not arrive
+        (missing, corrupt, store down), left untouched.
         """
         table = self.tables[group]
         n = len(keys)
@@ -681,12 +751,12 @@ class _Worker:
 
         unavailable: list[MissReason | None] = [MissReason.TIER_UNAVAILABLE] * n
         res = guard.call("get", lambda: store.get_views(ident, keys, scatter), unavailable)
-        hits = sum(r is None for r in res)
-        self.load_errors.update(block_ids[i] for i, r in enumerate(res) if r is not None)
+        failed = [block_ids[i] for i, r in enumerate(res) if r is not None]
+        hits = n - len(failed)
         log.debug("kvstore: loaded %d of %d records of group %d (%.1f MiB) in %.1f ms, %.1f ms of it "
                   "scattering", hits, n, group, n * ident.layout.block_bytes / 2**20,
                   1e3 * (time.perf_counter() - started), 1e3 * scatter_s)
-        return hits == n
+        return failed
 
     # -- save --------------------------------------------------------------------
     def begin_saves(self, saves: list[BlockPlan]) -> None:

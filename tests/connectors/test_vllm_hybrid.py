@@ -13,7 +13,10 @@ each in a fresh EngineCore process, all through one ``kvstore serve`` daemon:
    window); the daemon keeps every full-attention block and, of each
    sliding-window group, the window before the prompt's end.
 3. ``loader``: vLLM's prefix cache off, so every cached token it reports
-   was loaded from the daemon.
+   was loaded from the daemon. Its loads are async in vLLM's sense (a model
+   of several groups reports a failed load per request); at the end one
+   read of a sliding-window group's records is torn after the lookup found
+   them (a fault injected in its worker, ``vllm_driver.TornLoads``).
 
 The hit rule (``kvstore.groups``): a prefix of n blocks needs every
 full-attention block before n and each sliding-window group's last
@@ -113,7 +116,9 @@ def runs(tmp_path_factory):
             {"op": "info", "id": "info"},
             gen("A", A), gen("B", B), gen("B2", B2), gen("A_other_salt", A, "tenant-x"),
             {"op": "invalidate_groups", "id": "evicted", "kinds": ["sliding_window"], "salt": ""},
-            gen("A_evicted", A), gen("A_again", A)]},
+            gen("A_evicted", A), gen("A_again", A),
+            {"op": "tear_loads", "id": "tearing", "kinds": ["sliding_window"], "count": 1},
+            gen("A_torn", A), {"op": "torn", "id": "torn"}, gen("A_after_torn", A)]},
     ]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     daemon.start()
@@ -148,6 +153,8 @@ def test_the_engines_keep_the_hybrid_manager_and_three_groups(runs):
         assert info["declined"] is None
         assert sorted(info["groups"]) == ["full", "sliding_window", "sliding_window"]
         assert sorted(len(layers) for layers in info["layers"]) == [2, 2, 2]
+        # vLLM takes a failed load of a model of several groups only per request
+        assert info["async_loads"] is True
     toks = runs["plain"]["A"]["tokens"]
     assert len(set(toks)) > 2 and toks != runs["plain"]["B"]["tokens"]
 
@@ -195,6 +202,20 @@ def test_evicted_sliding_window_records_miss_then_are_stored_again(runs):
     same_as_plain(runs, "loader", "A_evicted", "A")
     assert loader["A_again"]["cached"] == A_BLOCKS * BS  # A_evicted stored its window again
     same_as_plain(runs, "loader", "A_again", "A")
+
+
+def test_a_load_torn_after_the_lookup_is_recomputed_whole_not_a_crash(runs):
+    loader = runs["loader"]
+    assert len(loader["tearing"]) == 2          # both sliding-window groups
+    assert loader["torn"] == 1                  # one group's read failed, the others arrived
+    # the engine lives on (vLLM raises on a block-level failure of a model of
+    # several groups), and the request is recomputed from token 0: no hit
+    # counted, the plain engine's tokens
+    assert loader["A_torn"]["cached"] == 0
+    same_as_plain(runs, "loader", "A_torn", "A")
+    # one read failed, the records are whole: the next request loads them all
+    assert loader["A_after_torn"]["cached"] == A_BLOCKS * BS
+    same_as_plain(runs, "loader", "A_after_torn", "A")
 
 
 def test_no_store_call_failed(runs):

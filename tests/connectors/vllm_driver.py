@@ -13,14 +13,19 @@ Spec::
         {"op": "corrupt", "nvme_path": DIR, "record": int},
         {"op": "corrupt_redis", "url": URL, "group_size": int},
         {"op": "info", "id": str},
-        {"op": "invalidate_groups", "id": str, "kinds": [str], "salt": str}]}]}
+        {"op": "invalidate_groups", "id": str, "kinds": [str], "salt": str},
+        {"op": "tear_loads", "id": str, "kinds": [str], "count": int},
+        {"op": "torn", "id": str}]}]}
 
 A generate step may ask for ``"logprobs": true`` (each output token's
 logprob, as ``logprobs``). An engine with ``"probe": true`` runs the
 connector's worker side with :class:`KVStoreProbe` mixed in, for ``info``
 (its groups, whether it declined, whether vLLM kept its hybrid KV cache
-manager on) and ``invalidate_groups`` (drop the stored records of the
-groups of those kinds for one salt: an eviction of exactly those records).
+manager on), ``invalidate_groups`` (drop the stored records of the
+groups of those kinds for one salt: an eviction of exactly those records),
+``tear_loads`` (the worker's next ``count`` loads of records of groups of
+those kinds find their last record torn, :class:`TornLoads`) and ``torn``
+(how many loads were torn so far).
 
 Output: ``{"engines": {name: {id: {"tokens": [...], "cached": int}}}}`` where
 ``cached`` is vLLM's ``num_cached_tokens`` (local prefix-cache hits plus
@@ -86,6 +91,42 @@ def corrupt_redis_group(url: str, group_size: int, prefix: str = "kvs:") -> int:
     return len(chosen[0])
 
 
+class TornLoads:
+    """Fault injector around the worker connector's store: the next
+    ``count`` reads of records of the groups ``groups`` report their last
+    record as failing its checksum (a record torn after the lookup found
+    it) and hand the connector nothing for it; every other byte comes from
+    the real store."""
+
+    def __init__(self, store: Any, groups: set, count: int) -> None:
+        self._store = store
+        self.groups = groups
+        self.left = count
+        self.torn = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def get_views(self, identity: Any, keys: list, consume: Any) -> list:
+        if self.left <= 0 or identity.group not in self.groups or not keys:
+            return self._store.get_views(identity, keys, consume)
+        from kvstore.outcomes import MissReason
+
+        self.left -= 1
+        self.torn += 1
+        bad = len(keys) - 1
+
+        def torn(first: int, blocks: Any, reasons: list) -> None:
+            reasons = list(reasons)
+            if first <= bad < first + len(reasons):
+                reasons[bad - first] = MissReason.CORRUPT
+            consume(first, blocks, reasons)
+
+        out = list(self._store.get_views(identity, keys, torn))
+        out[bad] = MissReason.CORRUPT
+        return out
+
+
 class KVStoreProbe:
     """Mixed into vLLM's worker (``worker_extension_cls``): reads the worker
     side connector in its own process. Answers JSON text."""
@@ -102,6 +143,7 @@ class KVStoreProbe:
             "groups": [g.kind for g in plan.groups],
             "layers": [list(g.layers) for g in plan.groups],
             "record_bytes": [g.layout.block_bytes for g in plan.groups],
+            "async_loads": getattr(conn, "async_loads", None),
             "hma_disabled": bool(self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)})
 
     def kvstore_invalidate(self, kinds: list, salt: str) -> str:
@@ -113,6 +155,21 @@ class KVStoreProbe:
             if group.kind in kinds:
                 dropped += conn.store.invalidate(conn.base.for_group(g).replace(cache_salt=salt))
         return json.dumps(dropped)
+
+    def kvstore_tear_loads(self, kinds: list, count: int) -> str:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        groups = {g for g, group in enumerate(conn.plan.groups) if group.kind in kinds}
+        # the worker side's own attribute: the scheduler's lookups still see every record
+        conn.store = TornLoads(conn.store, groups, count)
+        return json.dumps(sorted(groups))
+
+    def kvstore_torn(self) -> str:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        store = get_kv_transfer_group().store
+        return json.dumps(store.torn if isinstance(store, TornLoads) else 0)
 
 
 def run_engine(model: str, spec: dict) -> dict:
@@ -146,6 +203,13 @@ def run_engine(model: str, spec: dict) -> dict:
             if step["op"] == "invalidate_groups":
                 results[step["id"]] = json.loads(llm.collective_rpc(
                     "kvstore_invalidate", args=(step["kinds"], step.get("salt", "")))[0])
+                continue
+            if step["op"] == "tear_loads":
+                results[step["id"]] = json.loads(llm.collective_rpc(
+                    "kvstore_tear_loads", args=(step["kinds"], step.get("count", 1)))[0])
+                continue
+            if step["op"] == "torn":
+                results[step["id"]] = json.loads(llm.collective_rpc("kvstore_torn")[0])
                 continue
             prompt = {"prompt_token_ids": step["tokens"]}
             if step.get("salt"):
