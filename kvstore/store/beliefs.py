@@ -10,13 +10,19 @@ single-threaded, no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic
 
 from kvstore.store.accounts import Accounts
 from kvstore.store.plan import K, TierPlan
 
 _LEFT_MEMORY = 1 << 16   # keys that left, remembered with the version they left at (adoption)
+
+# ``watch(key, tier, resident)``: told each time a (key, tier) becomes what a
+# lookup sees (landed, adopted, a drop undone) or stops being it (a drop
+# planned, a loss). The store's KV events (:mod:`kvstore.events`) and the
+# replay's routing index are fed from here: the one place residency changes.
+Watch = Callable[[object, int, bool], None]
 
 
 class KeyState:
@@ -44,6 +50,7 @@ class Beliefs(Generic[K]):
         self.busy: dict[K, int] = {}              # key -> moves issued and not reported back
         self._left: OrderedDict[K, int] = OrderedDict()   # key -> version it left the store at
         self._left_floor = 0                      # departures before this version are forgotten
+        self.watch: Watch | None = None
 
     # -- queries -------------------------------------------------------------------
     def locate(self, key: K) -> int | None:
@@ -103,6 +110,8 @@ class Beliefs(Generic[K]):
             st.resident |= bit
             self.version += 1
             st.landed_at = self.version
+            if self.watch is not None:
+                self.watch(key, t, True)
 
     def drop(self, key: K, t: int) -> None:
         """resident -> dropping (a drop is planned: its room is free)."""
@@ -110,6 +119,8 @@ class Beliefs(Generic[K]):
         st.resident &= ~(1 << t)
         st.dropping |= 1 << t
         self._uncount(key, st, t)
+        if self.watch is not None:
+            self.watch(key, t, False)
 
     def undrop(self, key: K, t: int) -> None:
         """dropping -> resident (a drop undone within its plan)."""
@@ -117,6 +128,8 @@ class Beliefs(Generic[K]):
         st.dropping &= ~(1 << t)
         st.resident |= 1 << t
         self._count(key, st, t)
+        if self.watch is not None:
+            self.watch(key, t, True)
 
     def dropped(self, key: K, t: int) -> None:
         """dropping -> absent."""
@@ -136,6 +149,8 @@ class Beliefs(Generic[K]):
         self._uncount(key, st, t)
         self.version += 1
         self._settle(key, st)
+        if self.watch is not None:
+            self.watch(key, t, False)
 
     def adopt(self, key: K, t: int, nbytes: int, owner: int, since: int | None) -> bool:
         """absent -> resident without a move (the tier holds it). With
@@ -153,6 +168,8 @@ class Beliefs(Generic[K]):
         self._count(key, st, t)
         self.version += 1
         st.landed_at = self.version
+        if self.watch is not None:
+            self.watch(key, t, True)
         return True
 
     def mark_busy(self, key: K) -> None:
