@@ -94,7 +94,17 @@ from kvstore.connectors._common import (
     task_after,
     task_before,
 )
-from kvstore.errors import ConfigError, MissingDependency
+from kvstore.connectors.handoff import (
+    DEFAULT_LEASE_S,
+    RESULT_PARAM,
+    Handoff,
+    Outcome,
+    check_lease,
+    count,
+    remote_decode,
+    remote_prefill,
+)
+from kvstore.errors import ConfigError, InvalidHint, MissingDependency
 from kvstore.groups import WHOLE_PREFIX_KINDS, GroupChains, GroupHit, GroupSavings, kept, lookup_groups, resume_points
 from kvstore.identity import CacheIdentity, KVGroup
 from kvstore.keys import BlockKey, MediaRef
@@ -240,6 +250,11 @@ class _ReqState:
     task: TaskHint | None = None             # the request's agent task, if it names one
     counted: bool = False                    # the store has counted this request's lookup
     load_failed: bool = False                # an async load of it failed: vLLM recomputes it whole
+    load_errors: bool = False                # a block of its load failed (vLLM recomputed from there)
+    produce: bool = False                    # the prefill leg of a disaggregated request
+    handoff: Handoff | None = None           # the decode leg: the handoff its params carry
+    handoff_outcome: Outcome | None = None   # why that handoff cannot be taken, once checked
+    loaded_tokens: int = 0                   # tokens vLLM took from the store for it
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -252,7 +267,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         engine_logging()
         self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config,
-                                                known_extra=("checkpoint_blocks",))
+                                                known_extra=("checkpoint_blocks", "handoff_lease_s"))
+        # vLLM's kv_role: a producer (a prefill engine) never loads, a
+        # consumer (a decode engine) never saves, kv_both does both
+        role_name = self._kv_transfer_config.kv_role or "kv_both"
+        self.loads = self.config.load and role_name != "kv_producer"
+        self.saves = self.config.save and role_name != "kv_consumer"
+        self.lease_s = check_lease(self.config.extra_value("handoff_lease_s", DEFAULT_LEASE_S))
         self.checkpoint_blocks = self.config.extra_value("checkpoint_blocks", 0)
         if isinstance(self.checkpoint_blocks, bool) or not isinstance(self.checkpoint_blocks, int) \
                 or self.checkpoint_blocks < 0:
@@ -316,9 +337,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st = self.requests.get(request.request_id)
         if st is None:
             idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
+            params = request.kv_transfer_params
             st = _ReqState(request, idents, [GroupChains(i) for i in idents],
-                           followup=request_followup(request.kv_transfer_params, self.guard),
-                           task=request_task(request.kv_transfer_params, self.guard))
+                           followup=request_followup(params, self.guard),
+                           task=request_task(params, self.guard), produce=remote_decode(params))
+            if remote_prefill(params):
+                self._take_handoff(st, params)
             self.requests[request.request_id] = st
             if st.task is not None:
                 task_before(self.store, st.task, self.guard)
@@ -357,9 +381,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.config.load or self.declined:
+        if not self.loads or self.declined:
             return 0, False
         st = self._state(request)
+        if st.handoff_outcome is not None and st.handoff_outcome.refuses:
+            return 0, False       # another model, layout or tenant made it: recomputed
         if st.load_failed:
             # its records were found and then failed to arrive: a second try
             # could fail the same way again and again (a store that answers
@@ -384,6 +410,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         st = self._state(request)
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        st.loaded_tokens += num_external_tokens
         if num_external_tokens > 0:
             end = st.hit.blocks
             first = end - -(-num_external_tokens // self.block_size)   # the last may be partial
@@ -457,7 +484,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
         self._plan_load(st, meta)
-        if not self.config.save:
+        if not self.saves:
             return
         held_ids = min(len(ids) for ids in st.block_ids) if st.block_ids else 0
         sealed = min(computed_after, st.request.num_tokens, held_ids * self.block_size) // self.block_size
@@ -516,12 +543,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                       if i is not None]
             if firsts:
                 st.saved_upto = min(st.saved_upto, min(firsts))
+                st.load_errors = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         # saves copy out of vLLM's blocks within their step: nothing still reads them
         st = self.requests.pop(request.request_id, None)
         if st is None:
+            if remote_decode(request.kv_transfer_params) and self.declined:
+                count("producer", Outcome.NOT_PRODUCER)
             return False, None
+        params: dict | None = None
+        if st.produce:
+            params = self._offer_handoff(st)
+        elif st.handoff is not None or st.handoff_outcome is not None:
+            params = self._release_handoff(st)
         if st.keep is not None and any(k is not None for k in st.keep):
             log.debug("kvstore: %s: sliding-window/recurrent records kept %s, skipped so far %s bytes",
                       request.request_id, [None if k is None else sorted(k) for k in st.keep],
@@ -531,7 +566,70 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             keys = [k for chains in st.chains for g in range(len(self.groups))
                     for i, k in enumerate(chains.keys(g, st.saved_upto)) if _keeps(keep[g], i)]
             task_after(self.store, st.task, keys, self.guard)
-        return False, None
+        return False, params
+
+    # -- prefill/decode handoff (kvstore.connectors.handoff) ------------------------
+    def _handoff_keys(self, st: _ReqState, blocks: int) -> list[BlockKey]:
+        """Every rank's and group's records of the first ``blocks`` blocks
+        that a save keeps (a window group keeps only some)."""
+        self._extend(st, blocks)
+        keep = self._keep(st)
+        return [k for chains in st.chains for g in range(len(self.groups))
+                for i, k in enumerate(chains.keys(g, blocks)) if _keeps(keep[g], i)]
+
+    def _offer_handoff(self, st: _ReqState) -> dict | None:
+        """The prefill leg ended: lease what the store holds of its prompt and
+        answer the handoff (vLLM's ``do_remote_prefill`` params)."""
+        request = st.request
+        if not self.saves:
+            count("producer", Outcome.NOT_PRODUCER)
+            log.warning("kvstore: %s asks for a remote decode, but this engine does not save "
+                        "(kv_role=kv_consumer or save=false): nothing to hand off", request.request_id)
+            return None
+        if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+            count("producer", Outcome.ABORTED)      # aborted or errored: the decode leg never comes
+            return None
+        sealed = request.num_prompt_tokens // self.block_size
+        held = self._stored_prefix(st, sealed).blocks      # a probe: what the saves left in the store
+        keys = self._handoff_keys(st, held)
+        granted = self.guard.call("pin", lambda: self.store.pin(keys, self.lease_s), 0.0) if keys else self.lease_s
+        handoff = Handoff.offer(st.identities[0], held, min(granted, self.lease_s) or self.lease_s)
+        count("producer", Outcome.OFFERED if granted else Outcome.NOT_LEASED)
+        log.debug("kvstore: %s hands off %d blocks (%s), lease %.0f s", request.request_id, held,
+                  handoff.id, granted)
+        return handoff.to_params()
+
+    def _take_handoff(self, st: _ReqState, params: Any) -> None:
+        """The decode leg arrived: check its handoff before any lookup."""
+        try:
+            st.handoff = Handoff.from_params(params)
+        except InvalidHint as exc:
+            self.guard.warn_once("request's handoff", exc, "serving it as any request")
+            st.handoff_outcome = Outcome.MALFORMED
+            return
+        st.handoff_outcome = st.handoff.check(st.identities[0])
+        if st.handoff_outcome is not None:
+            log.info("kvstore: %s: handoff %s not taken: %s", st.request.request_id, st.handoff.id,
+                     st.handoff_outcome.value)
+
+    def _release_handoff(self, st: _ReqState) -> dict:
+        """The decode leg ended: its load is done, whatever it found; the
+        producer's lease goes, and the answer says what became of the handoff."""
+        h, outcome = st.handoff, st.handoff_outcome
+        if h is not None and (outcome is None or not outcome.refuses):
+            keys = self._handoff_keys(st, min(h.blocks, st.request.num_prompt_tokens // self.block_size))
+            if keys:
+                self.guard.call("unpin", lambda: self.store.unpin(keys), None)
+            if outcome is None:
+                outcome = Outcome.LOAD_FAILED if st.load_failed or st.load_errors else \
+                    Outcome.SHORT if st.hit.blocks < h.blocks else Outcome.LOADED
+        assert outcome is not None
+        count("consumer", outcome)
+        # vLLM reports a decode leg's cached tokens as its prefill's
+        # (remote_prefill_cached_tokens): what the store gave is said here
+        return {RESULT_PARAM: {"id": h.id if h is not None else None, "outcome": outcome.value,
+                               "blocks": h.blocks if h is not None else 0, "found": st.hit.blocks,
+                               "loaded_tokens": st.loaded_tokens}}
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:

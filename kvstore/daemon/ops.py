@@ -281,6 +281,7 @@ class Handlers:
         """The tenant's own row; an admin also gets the store's snapshot (whose
         per-tenant rows, keyed by salts, are dropped: they would name tenants)."""
         hits, misses = ten.hits, sum(ten.misses.values())
+        now = self.store.clock()
         out: dict[str, Any] = {}
         if ten.admin:
             out = self.store.snapshot()
@@ -288,7 +289,8 @@ class Handlers:
         out["tenant"] = {"name": ten.name, "hits": hits, "misses": dict(ten.misses),
                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                          "used_bytes": self.store.owner_bytes(ten.owner), "quota_bytes": ten.quota_bytes,
-                         "no_space": ten.no_space, "pins": len(ten.pins),
+                         # live pins: an expired one is only forgotten at the next pin past the limit
+                         "no_space": ten.no_space, "pins": sum(e > now for e in ten.pins.values()),
                          "buffer_bytes": ten.buffer_bytes, "shm_bytes": ten.shm_bytes,
                          "connections": ten.connections}
         return json.loads(json.dumps(out, default=str))  # plain types for msgpack

@@ -25,6 +25,7 @@ What kvstore puts in the fields:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -96,13 +97,15 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def stored(keys: list[bytes], medium: str, block_size: int) -> BlockStored:
-    return BlockStored(block_hashes=keys, parent_block_hash=None, token_ids=[], block_size=block_size,
+def stored(keys: Iterable[bytes], medium: str, block_size: int) -> BlockStored:
+    hashes: list[bytes | int] = list(keys)
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=block_size,
                        lora_id=None, medium=medium, lora_name=None)
 
 
-def removed(keys: list[bytes], medium: str) -> BlockRemoved:
-    return BlockRemoved(block_hashes=keys, medium=medium)
+def removed(keys: Iterable[bytes], medium: str) -> BlockRemoved:
+    hashes: list[bytes | int] = list(keys)
+    return BlockRemoved(block_hashes=hashes, medium=medium)
 
 
 def encode(batch: KVEventBatch) -> bytes:

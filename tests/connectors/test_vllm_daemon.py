@@ -73,7 +73,7 @@ for engine in spec["engines"]:
         if time.monotonic() > deadline:
             raise SystemExit(f"gave up waiting for {gate}")
         time.sleep(0.1)
-    out["engines"][engine["name"]] = vllm_driver.run_engine(spec["model"], engine)
+    out["engines"][engine["name"]] = vllm_driver.run_engine(spec["model"], engine, out["engines"])
     with open(out_path + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(out_path + ".tmp", out_path)

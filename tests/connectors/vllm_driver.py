@@ -15,10 +15,23 @@ Spec::
         {"op": "info", "id": str},
         {"op": "invalidate_groups", "id": str, "kinds": [str], "salt": str},
         {"op": "tear_loads", "id": str, "kinds": [str], "count": int},
-        {"op": "torn", "id": str}]}]}
+        {"op": "torn", "id": str},
+        {"op": "wait", "file": PATH},
+        {"op": "abort", "id": str, "tokens": [int], "kv": {...}}]}]}
+
+``wait`` holds the started engine until the file exists (a test lets a
+consumer engine start while its producer runs, then releases it); ``abort``
+runs one engine step of a request and aborts it (vLLM's abort path: the
+connector sees it finish as FINISHED_ABORTED).
 
 A generate step may ask for ``"logprobs": true`` (each output token's
-logprob, as ``logprobs``). An engine with ``"probe": true`` runs the
+logprob, as ``logprobs``), and carry ``kv_transfer_params`` as ``"kv"``, or
+as ``"kv_from": [engine, id]``: the params an earlier engine's output
+carried (a prefill leg's answer, as vLLM's proxy forwards it; an engine's
+``"params_from"`` names another runner's results file to find it in), updated with
+``"kv_patch"`` (a tampered handoff: ``{"kvstore_handoff": {field: value}}``
+merges into that object). Its output's params come back as ``"kv"``. An
+engine's ``"kv_role"`` is vLLM's (default ``kv_both``). An engine with ``"probe": true`` runs the
 connector's worker side with :class:`KVStoreProbe` mixed in, for ``info``
 (its groups, whether it declined, whether vLLM kept its hybrid KV cache
 manager on), ``invalidate_groups`` (drop the stored records of the
@@ -38,6 +51,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 
@@ -108,7 +122,7 @@ class TornLoads:
         return getattr(self._store, name)
 
     def get_views(self, identity: Any, keys: list, consume: Any) -> list:
-        if self.left <= 0 or identity.group not in self.groups or not keys:
+        if self.left <= 0 or (identity.group or 0) not in self.groups or not keys:   # None: a one-group model
             return self._store.get_views(identity, keys, consume)
         from kvstore.outcomes import MissReason
 
@@ -172,7 +186,27 @@ class KVStoreProbe:
         return json.dumps(store.torn if isinstance(store, TornLoads) else 0)
 
 
-def run_engine(model: str, spec: dict) -> dict:
+def _params(step: dict, previous: dict, params_from: str | None) -> dict | None:
+    """A step's kv_transfer_params: its own, or an earlier output's, patched.
+    That output is an earlier engine's of this run, else one in the results
+    file ``params_from`` (another runner's: the engines of a disaggregated
+    pair run in two processes)."""
+    if "kv_from" not in step:
+        return step.get("kv")
+    engine, rid = step["kv_from"]
+    if engine not in previous and params_from:
+        with open(params_from) as f:
+            previous = json.load(f)["engines"]
+    params = json.loads(json.dumps(previous[engine][rid]["kv"]))
+    for name, value in (step.get("kv_patch") or {}).items():
+        if isinstance(value, dict) and isinstance(params.get(name), dict):
+            params[name].update(value)
+        else:
+            params[name] = value
+    return params
+
+
+def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -180,7 +214,7 @@ def run_engine(model: str, spec: dict) -> dict:
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
-            kv_role="kv_both", kv_connector_extra_config=spec["connector"])
+            kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec["connector"])
     if spec.get("probe"):
         kw["worker_extension_cls"] = "vllm_driver.KVStoreProbe"
     llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=512, max_num_seqs=4,
@@ -211,15 +245,31 @@ def run_engine(model: str, spec: dict) -> dict:
             if step["op"] == "torn":
                 results[step["id"]] = json.loads(llm.collective_rpc("kvstore_torn")[0])
                 continue
+            if step["op"] == "wait":
+                while not os.path.exists(step["file"]):
+                    time.sleep(0.05)
+                continue
+            if step["op"] == "abort":
+                engine = llm.llm_engine
+                engine.add_request(step["id"], {"prompt_token_ids": step["tokens"]}, SamplingParams(
+                    max_tokens=8, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": step["kv"]}))
+                engine.step()                     # scheduled, prefilled, its blocks saved
+                engine.abort_request([step["id"]])
+                while engine.has_unfinished_requests():
+                    engine.step()
+                results[step["id"]] = {"aborted": True}
+                continue
             prompt = {"prompt_token_ids": step["tokens"]}
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
+            kv = _params(step, previous or {}, spec.get("params_from"))
             params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
                                     ignore_eos=True, logprobs=1 if step.get("logprobs") else None,
-                                    extra_args={"kv_transfer_params": step["kv"]} if step.get("kv") else None)
+                                    extra_args={"kv_transfer_params": kv} if kv else None)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             got = out.outputs[0]
-            results[step["id"]] = {"tokens": list(got.token_ids), "cached": out.num_cached_tokens or 0}
+            results[step["id"]] = {"tokens": list(got.token_ids), "cached": out.num_cached_tokens or 0,
+                                   "kv": out.kv_transfer_params}
             if step.get("logprobs"):
                 results[step["id"]]["logprobs"] = [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]
     finally:
@@ -233,7 +283,7 @@ def main() -> None:
         spec = json.load(f)
     out = {"engines": {}}
     for engine in spec["engines"]:
-        out["engines"][engine["name"]] = run_engine(spec["model"], engine)
+        out["engines"][engine["name"]] = run_engine(spec["model"], engine, out["engines"])
         with open(out_path, "w") as f:   # partial results survive a later crash
             json.dump(out, f)
 
