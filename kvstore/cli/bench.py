@@ -224,12 +224,26 @@ def _check_replay_flags(ctx: click.Context, trace, workload, policies, sessions,
 @WIDE
 @click.option("--working-set", default="300K", type=TOKENS, show_default=True,
               help="Agent generator: sustained working set in tokens.")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1),
+              help="N > 1: N replicas behind a router instead of one store, per --route side by side: "
+                   "each replica its own --hbm-tokens and --dram-tokens (and --nvme-tokens when given), "
+                   "--redis-tokens a shared L3 they all write through to and read from; --policy one "
+                   "replica placement (default lru); planners only (no data plane); each replica serves "
+                   "prefills one at a time, so TTFT includes queueing.")
+@click.option("--route", "routes", default="prefix,affinity,least-loaded,round-robin", show_default=True,
+              help="With --replicas N: comma list of prefix, affinity, least-loaded, round-robin.")
 @workload_options
 @click.pass_context
 def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens, nvme_tokens,
            redis_tokens, thresholds, hints, oracle_noise, sessions, admission, data_plane, bytes_per_token,
-           nvme_path, redis_url, json_path, plots_dir, wide, working_set, seed, duration, tenants, families,
-           fork_prob, block_tokens, model, gpu_tflops) -> None:
+           nvme_path, redis_url, json_path, plots_dir, wide, working_set, replicas, routes, seed, duration,
+           tenants, families, fork_prob, block_tokens, model, gpu_tflops) -> None:
+    if replicas > 1:
+        _replay_replicas(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens,
+                         nvme_tokens, redis_tokens, data_plane, json_path, wide, working_set, replicas, routes, seed,
+                         duration, tenants, families, fork_prob, block_tokens, model, gpu_tflops)
+        return
+    refuse_unused(ctx, ("routes",), "applies to --replicas N (N > 1)")
     from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
     from kvstore.bench.replay import POLICY_NAMES, ReplayConfig, load_requests, run_replay  # noqa: PLC0415
     from kvstore.bench.replay_table import render_groups, render_table, session_goal_lines  # noqa: PLC0415
@@ -271,6 +285,67 @@ def replay(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, 
                                          session_goal_lines(res["session_goals"])), highlight=False)
         console.print(labelled_block("cost model (modelled TTFT, no queueing):",
                                      cost_model_lines(res["cost_model"], list(res["config"]["tiers_tokens"]))),
+                      style="dim", highlight=False)
+    except KVStoreError as exc:
+        _fail(exc)
+
+
+def _replay_replicas(ctx, trace, workload, trace_block_tokens, limit, policy, hbm_tokens, dram_tokens,
+                     nvme_tokens, redis_tokens, data_plane, json_path, wide, working_set, replicas, routes, seed,
+                     duration, tenants, families, fork_prob, block_tokens, model, gpu_tflops) -> None:
+    """``bench replay --replicas N``: the routes side by side (:mod:`kvstore.bench.replicas`)."""
+    from kvstore.bench.costmodel import cost_model_lines  # noqa: PLC0415
+    from kvstore.bench.replay import load_requests  # noqa: PLC0415
+    from kvstore.bench.replicas import (  # noqa: PLC0415
+        REPLICA_POLICIES,
+        ReplicasConfig,
+        render_routes,
+        route_goal_lines,
+        run_replicas,
+    )
+    from kvstore.route.policy import ROUTES  # noqa: PLC0415
+
+    bt = trace_block_tokens if trace else block_tokens
+    if (trace is None) == (workload is None):
+        raise click.UsageError("give exactly one of --trace FILE or --workload agent", ctx)
+    if trace:
+        refuse_unused(ctx, ("working_set", "seed", *GENERATOR_FLAGS), "applies to --workload agent, not to --trace")
+    else:
+        refuse_unused(ctx, ("trace_block_tokens",), "applies to --trace, not to --workload agent")
+    if data_plane:      # --no-data-plane says what this mode does anyway
+        refuse_unused(ctx, ("data_plane",), "does not apply to --replicas N (planners only)")
+    refuse_unused(ctx, ("thresholds", "hints", "oracle_noise", "sessions", "admission",
+                        "bytes_per_token", "nvme_path", "redis_url", "plots_dir"),
+                  "does not apply to --replicas N (planners only, one placement per replica)")
+    route_names = comma_list(ctx, "routes", routes, ROUTES)
+    placement = "lru"
+    if given(ctx, "policy"):
+        chosen = comma_list(ctx, "policy", policy, REPLICA_POLICIES)
+        if len(chosen) != 1:
+            raise click.UsageError("--policy with --replicas N: one replica placement", ctx)
+        placement = chosen[0]
+    if hbm_tokens < bt:
+        flag = "--trace-block-tokens" if trace else "--block-tokens"
+        raise click.BadParameter(f"must hold at least one block ({flag} {bt}), got {hbm_tokens}",
+                                 ctx, param_hint="'--hbm-tokens'")
+    try:
+        wl = None if trace else _workload(seed, working_set, duration, tenants, families, fork_prob,
+                                          block_tokens)
+        cfg = ReplicasConfig(replicas=replicas, hbm_tokens=hbm_tokens, dram_tokens=dram_tokens,
+                             # the single store's NVMe default is no replica's: only when asked for
+                             nvme_tokens=nvme_tokens if given(ctx, "nvme_tokens") else 0,
+                             l3_tokens=redis_tokens, block_tokens=bt, routes=route_names, policy=placement)
+        with console.status("reading requests"):
+            reqs = load_requests(trace=trace, workload=wl, block_tokens=bt, limit=limit)
+        with console.status(f"replaying {len(reqs):,} requests on {replicas} replicas under "
+                            f"{len(route_names)} routes"):
+            res = run_replicas(reqs, cfg, cost=_cost(model, gpu_tflops), json_out=json_path, command=_command())
+        print_table(console, render_routes(res), wide=wide)
+        if res["route_goals"]:
+            console.print(labelled_block("routing goals (prefix):", route_goal_lines(res["route_goals"])),
+                          highlight=False)
+        console.print(labelled_block("cost model (modelled TTFT, queueing per replica):",
+                                     cost_model_lines(res["cost_model"], ["hbm", "dram", "nvme", "redis"])),
                       style="dim", highlight=False)
     except KVStoreError as exc:
         _fail(exc)
