@@ -113,6 +113,40 @@ class MetricsConfig(Section):
     cache_s: Annotated[float, FINITE, Field(ge=0, le=60)] = 1.0   # how stale a scrape may be
 
 
+class KvEventsConfig(Section):
+    """``daemon.kv_events``: publish what the store holds as vLLM's KV events
+    (:mod:`kvstore.events`) on a ZeroMQ PUB ``endpoint`` (None: no events),
+    with replays on ``replay_endpoint``; ``topic`` the first frame of each
+    message. Bounds: ``buffer_steps`` batches kept for replay, ``hwm`` the
+    PUB socket's high-water mark, ``max_queue`` batches waiting for the
+    publisher's thread (past it a batch is dropped and counted; subscribers
+    see the gap and replay)."""
+
+    tree_path = "daemon.kv_events"
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: Annotated[str, Field(max_length=256)] = ""
+    buffer_steps: Annotated[Count, Field(le=1 << 20)] = 10_000
+    hwm: Annotated[Int, Field(ge=0, le=1 << 24)] = 100_000    # 0: no limit (ZeroMQ's meaning)
+    max_queue: Annotated[Count, Field(le=1 << 20)] = 1000
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: Any) -> Any:
+        if endpoint is not None:
+            from kvstore.events.publisher import check_endpoint  # noqa: PLC0415 - zmq, only when configured
+            check_endpoint(endpoint)      # a ConfigError (a ValueError) saying what is wrong
+        return endpoint
+
+    @model_validator(mode="after")
+    def _replay_needs_endpoint(self) -> KvEventsConfig:
+        if self.replay_endpoint is not None and self.endpoint is None:
+            raise ValueError("replay_endpoint needs endpoint (the PUB socket the events go out on)")
+        if self.endpoint is not None and self.endpoint == self.replay_endpoint:
+            raise ValueError("endpoint and replay_endpoint must differ")
+        return self
+
+
 class DaemonConfig(Section):
     """``kvstore serve``'s section. With no ``tenants`` every client is the
     anonymous tenant ``default`` (a single-user host: it is an admin); with
@@ -136,6 +170,7 @@ class DaemonConfig(Section):
     drain_timeout_s: Annotated[float, FINITE, Field(ge=0, le=1e9)] = 30.0
     socket_buffer_bytes: Annotated[Size, Field(ge=4096, le=1 << 30)] = 4 << 20   # fewer wakeups per block
     limits: DaemonLimits = DaemonLimits()
+    kv_events: KvEventsConfig = KvEventsConfig()
 
     @field_validator("key_secret")
     @classmethod
@@ -279,5 +314,6 @@ class Config(Section):
         return self.store.nvme.path if self.store.nvme is not None else None
 
 
-__all__ = ["ANONYMOUS", "TIERS", "Config", "DaemonConfig", "DaemonLimits", "ListenConfig", "MetricsConfig",
+__all__ = ["ANONYMOUS", "TIERS", "Config", "DaemonConfig", "DaemonLimits", "KvEventsConfig", "ListenConfig",
+           "MetricsConfig",
            "PolicyConfig", "RemoteConfig", "StoreConfig", "TenantSpec", "parse_url"]

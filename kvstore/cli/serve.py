@@ -24,6 +24,7 @@ from kvstore.units import format_size
 if TYPE_CHECKING:
     from kvstore.config import Config
     from kvstore.daemon.server import Daemon, DrainReport, Holding
+    from kvstore.events.publisher import EventPublisher
 
 PORT = click.IntRange(0, 65535)
 # each flag's place in the config tree, by its parameter name (the flag is
@@ -39,6 +40,9 @@ SETTING_OF_FLAG = {
     "nvme_path": "store.nvme.path",
     "redis_url": "store.redis.url",
     "policy": "policy.name",
+    "kv_events_endpoint": "daemon.kv_events.endpoint",
+    "kv_events_replay_endpoint": "daemon.kv_events.replay_endpoint",
+    "kv_events_topic": "daemon.kv_events.topic",
 }
 TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 
@@ -58,6 +62,12 @@ TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 @click.option("--redis-url", default=None, help="Redis L3 behind the daemon.")
 @click.option("--policy", default=None, type=click.Choice(["default", "regime", "write-through"]),
               help="Placement policy (policy.name).")
+@click.option("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+              help="Publish what the store holds as vLLM KV events (ZeroMQ PUB, vLLM's wire format): "
+                   "tcp://*:PORT binds, tcp://HOST:PORT connects to a subscriber that binds (vLLM's rule).")
+@click.option("--kv-events-replay-endpoint", default=None, metavar="tcp://*:PORT",
+              help="ZeroMQ ROUTER (bound) answering replay requests from a sequence number.")
+@click.option("--kv-events-topic", default=None, help="Topic (first frame) of every KV event message [\"\"].")
 @click.option("--tenant", "tenants", multiple=True, metavar="NAME:TOKEN[:QUOTA]",
               help="A tenant, its token (8+ characters) and optional quota (repeatable). None: one anonymous "
                    "tenant.")
@@ -150,12 +160,22 @@ def start_line(daemon: Daemon) -> str:
         parts.append(f"metrics {_host_port(cfg.daemon.metrics.host, daemon.metrics.port)}")
     parts.append("tiers " + ", ".join(_tier_text(cfg, kind) for kind in cfg.store.tiers()))
     parts.append(f"policy {cfg.policy.name}")
+    if daemon.events is not None:
+        parts.append(_events_text(daemon.events))
     n = len(cfg.daemon.tenants)
     parts.append(f"{n} tenant{_s(n)}" if n else "no tenants (every client is the anonymous one, no token)")
     found = [h for h in daemon.holdings() if h.persistent and h.blocks]
     if found:
         parts.append("found " + ", ".join(f"{_blocks(h)} on {_label(h.tier)}" for h in found))
     return "kvstore serve: " + "; ".join(parts)
+
+
+def _events_text(events: EventPublisher) -> str:
+    """``kv events on tcp://0.0.0.0:5557, replay on tcp://0.0.0.0:5558`` (what
+    was bound, its port picked if 0 was asked), or ``kv events to ...``
+    (connected to a subscriber that binds)."""
+    text = f"kv events {'on' if events.bound else 'to'} {events.endpoint}"
+    return text + (f", replay on {events.replay_endpoint}" if events.replay_endpoint else "")
 
 
 def drain_line(report: DrainReport, cfg: Config) -> str:

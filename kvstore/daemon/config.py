@@ -2,7 +2,7 @@
 a setting it could not use.
 
 The sections themselves (``daemon``, ``daemon.tenants``, ``daemon.listen``,
-``daemon.metrics``, ``store.remote``) are declared in :mod:`kvstore.config`,
+``daemon.metrics``, ``daemon.kv_events``, ``store.remote``) are declared in :mod:`kvstore.config`,
 beside the rest of the tree: the tree is read below the daemon (the store's
 builder, the connectors), and nothing below a layer imports from it
 (docs/architecture.md, "Layers"). They are re-exported here so the daemon's
@@ -16,6 +16,7 @@ from kvstore.config import (
     ANONYMOUS,
     DaemonConfig,
     DaemonLimits,
+    KvEventsConfig,
     ListenConfig,
     MetricsConfig,
     RemoteConfig,
@@ -23,8 +24,8 @@ from kvstore.config import (
 )
 from kvstore.errors import ConfigError
 
-__all__ = ["ANONYMOUS", "DaemonConfig", "DaemonLimits", "ListenConfig", "MetricsConfig", "RemoteConfig",
-           "SettingUnusable", "TenantSpec"]
+__all__ = ["ANONYMOUS", "DaemonConfig", "DaemonLimits", "KvEventsConfig", "ListenConfig", "MetricsConfig",
+           "RemoteConfig", "SettingUnusable", "TenantSpec"]
 
 
 class SettingUnusable(ConfigError):

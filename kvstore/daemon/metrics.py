@@ -176,20 +176,46 @@ def _placement_families(snap: dict) -> Iterator[Metric]:
         yield _family(f"placement_{key}_total", "counter", help_, [({}, placement.get(key, 0))])
 
 
+class EventsCollector:
+    """The KV events' counters (:mod:`kvstore.events.publisher`), read at each
+    scrape from ``counters`` (None: the daemon publishes no events)."""
+
+    def __init__(self, counters: Callable[[], dict[str, int] | None]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        got = self.counters()
+        if got is None:
+            return
+        for key, help_ in (("published", "KV event batches published."),
+                           ("dropped", "KV event batches dropped (the publisher fell behind; subscribers "
+                                       "see the gap and replay)."),
+                           ("replays", "KV event replay requests answered."),
+                           ("snapshots", "Replays answered with a snapshot first (asked from before the "
+                                         "replay buffer, or across dropped batches).")):
+            yield _family(f"kv_events_{key}_total", "counter", help_, [({}, got[key])])
+
+
 def daemon_registry(store: TieredStore, tenants: Sequence[Tenant], label: Callable[[Tenant], str],
-                    status: Callable[[], ServerStatus]) -> tuple[CollectorRegistry, CollectorRegistry, Histogram]:
+                    status: Callable[[], ServerStatus],
+                    events: Callable[[], dict[str, int] | None] = lambda: None,
+                    ) -> tuple[CollectorRegistry, CollectorRegistry, Histogram]:
     """The daemon's registries: the operator's (the store's, the server's
-    (``status``) and every tenant's counters, ``label``: how a tenant is
-    named) and the public one (the same without a tenant's row), both with the
-    store's histograms and the request-latency histogram returned (to observe)."""
+    (``status``), the KV events' (``events``) and every tenant's counters,
+    ``label``: how a tenant is named) and the public one (the same without a
+    tenant's row), both with the store's histograms and the request-latency
+    histogram returned (to observe)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(store, tenants, label, status))
     registry.register(store.metrics)
+    collector = EventsCollector(events)
+    registry.register(collector)
     requests = Histogram("kvstore_request_seconds", "Time the daemon took to serve a request, by opcode.",
                          ["op"], buckets=LATENCY_BUCKETS, registry=registry)
     public = CollectorRegistry(auto_describe=False)
     public.register(DaemonCollector(store, (), label, status))
     public.register(store.metrics)
+    public.register(collector)
     public.register(requests)
     return registry, public, requests
 

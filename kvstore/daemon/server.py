@@ -45,9 +45,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.config import Config
 from kvstore.daemon import claims
+from kvstore.daemon.config import KvEventsConfig, SettingUnusable
 from kvstore.daemon.conn import Conn
 from kvstore.daemon.host import ServerStatus
 from kvstore.daemon.metrics import MetricsServer, RenderCache, daemon_registry
@@ -70,6 +72,9 @@ from kvstore.daemon.tenants import Tenant, TenantTable
 from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.store.tiered import TieredStore
 from kvstore.units import format_size
+
+if TYPE_CHECKING:
+    from kvstore.events.publisher import EventPublisher
 
 log = logging.getLogger("kvstore.daemon")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -125,7 +130,7 @@ class Daemon:
         self.max_connections = claims.connection_limit(config)
         self.handlers = Handlers(self)
         self.registry, self._public_registry, self._request_seconds = daemon_registry(
-            store, list(self.tenants), self.tenant_label, self.status)
+            store, list(self.tenants), self.tenant_label, self.status, self.event_counters)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
         self._conns: dict[asyncio.Task, Conn] = {}
@@ -140,6 +145,7 @@ class Daemon:
         self._idle.set()
         self.metrics: MetricsServer | None = None
         self.tcp_port: int | None = None
+        self.events: EventPublisher | None = None
 
     @classmethod
     async def start(cls, config: Config, store: TieredStore | None = None) -> Daemon:
@@ -154,6 +160,7 @@ class Daemon:
             store = await claims.open_store(config)
         self = cls(config, store, secret)
         try:
+            self._publish_events(config.daemon.kv_events)
             listen, metrics_at = config.daemon.listen, config.daemon.metrics
             if listen.unix_path:
                 self._listen(claims.unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
@@ -172,12 +179,31 @@ class Daemon:
         except BaseException:
             await self._close_listeners()
             await store.aclose()
+            if self.events is not None:
+                await asyncio.to_thread(self.events.close, 0)
             raise
         log.info("kvstore daemon serving (unix=%s tcp=%s metrics=%s); tenants %s",
                  config.daemon.listen.unix_path, self.tcp_port, self.metrics.port if self.metrics else None,
                  ", ".join(f"{t.name} as {t.label} ({format_size(store.owner_bytes(t.owner))} of "
                            f"{format_size(t.quota_bytes) if t.quota_bytes else 'no quota'})" for t in self.tenants))
         return self
+
+    def _publish_events(self, cfg: KvEventsConfig) -> None:
+        """KV events of the store (:mod:`kvstore.events`), if configured: the
+        stream starts with a full resync (what the tiers hold at start)."""
+        if cfg.endpoint is None:
+            return
+        from kvstore.events.publisher import EndpointUnusable, publish  # noqa: PLC0415 - zmq, only when configured
+
+        try:
+            self.events = publish(self.store, cfg.endpoint, replay_endpoint=cfg.replay_endpoint, topic=cfg.topic,
+                                  buffer_steps=cfg.buffer_steps, hwm=cfg.hwm, max_queue=cfg.max_queue)
+        except EndpointUnusable as exc:
+            raise SettingUnusable(f"daemon.kv_events.{exc.setting}", exc.value, exc.reason) from exc
+
+    def event_counters(self) -> dict[str, int] | None:
+        """The KV events' counters (published, dropped, replays, snapshots), None without events."""
+        return self.events.counters() if self.events is not None else None
 
     def holdings(self) -> tuple[Holding, ...]:
         """What each tier holds now, fastest tier first (one pass over each tier's index)."""
@@ -531,6 +557,8 @@ class Daemon:
             held = self.holdings()
         finally:
             await self.store.aclose()   # its own flush finds nothing left to write
+            if self.events is not None:   # the stream's last batches: the flush, then AllBlocksCleared
+                await asyncio.to_thread(self.events.close)
             if self._spare_fd >= 0:
                 os.close(self._spare_fd)
                 self._spare_fd = -1

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
+from typing import Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
@@ -39,6 +40,7 @@ from kvstore.record import BlockSpec, RecordHeader
 from kvstore.sessions.journal import SessionJournal
 from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
+from kvstore.store.beliefs import Beliefs
 from kvstore.store.driver import RequestDriver
 from kvstore.store.leases import Leases, Protected
 from kvstore.store.moves import Applied, Executor, Held
@@ -126,6 +128,7 @@ class TieredStore:
         self.prefetcher = Prefetcher(self._prefetch_now, self.planner, self.driver, self.stats, clock,
                                      max_prefetch=max_prefetch, max_prefetch_blocks=max_prefetch_blocks)
         self._flush_on_close = flush_on_close
+        self.events: EventSource | None = None
 
     @property
     def placement(self) -> PlacementPolicy:
@@ -585,6 +588,15 @@ class TieredStore:
                           held=frozenset(tier.iter_keys()), lost=self.planner.tiers[t].lost)
                 for t, (tier, name) in enumerate(zip(self.tiers, self.names))]
 
+    def attach_events(self, events: EventSource) -> None:
+        """Tell ``events`` (:class:`kvstore.events.log.EventLog`) every change
+        of what the tiers hold, from now, starting with all they hold now; it
+        is closed with the store. On the store's loop."""
+        if self.events is not None:
+            raise KVStoreError("the store has an event source attached already")
+        events.attach(self.planner.beliefs)
+        self.events = events
+
     def snapshot(self) -> dict:
         snap = self.stats.snapshot()
         for tier, name in zip(self.tiers, self.names):
@@ -612,6 +624,16 @@ class TieredStore:
         for tier in self.tiers:
             await tier.close()
         self.journal.close()
+        if self.events is not None:     # after the flush: its writes are the stream's last changes
+            self.events.close()
+
+
+class EventSource(Protocol):
+    """What :meth:`TieredStore.attach_events` takes (the store knows no publisher)."""
+
+    def attach(self, beliefs: Beliefs) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
