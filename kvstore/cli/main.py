@@ -45,8 +45,9 @@ def keys(identity_path: str, tokens_path: str, block_size: int | None) -> None:
               "(nothing is written, not even a lock file).")
 def check(nvme_path: str, fix: bool) -> None:
     """Verify every record of an NVMe tier directory (checksums, index) and its session
-    journal; exit 1 on problems (with --fix: on problems that remain after fixing). Run it
-    while no store or daemon uses the directory (it takes the tier's directory lock)."""
+    journal; exit 1 on problems (with --fix: on problems that remain after fixing, each problem
+    found then printed as `fixed:` or `not fixed:`). Run it while no store or daemon uses the
+    directory (it takes the tier's directory lock)."""
     import asyncio  # noqa: PLC0415
 
     from kvstore.sessions.repair import JournalReport, check_journal  # noqa: PLC0415
@@ -72,11 +73,15 @@ def check(nvme_path: str, fix: bool) -> None:
         click.echo(f"note: no segment files (*.seg) in {nvme_path}: an empty tier, or not an NVMe tier's "
                    "directory", err=True)
     click.echo(journal.summary())
-    for problem in [*report.problems, *journal.problems]:
-        click.echo(f"problem: {problem}")
-    if fix:
-        for problem in [*report.remaining, *journal.remaining]:
-            click.echo(f"not fixed: {problem}")
+    found, remaining = [*report.problems, *journal.problems], [*report.remaining, *journal.remaining]
+    for problem in found:
+        # with --fix, a problem the second look no longer finds was mended: say so, not "problem"
+        if not fix:
+            click.echo(f"problem: {problem}")
+        elif problem not in remaining:
+            click.echo(f"fixed: {problem}")
+    for problem in remaining if fix else ():
+        click.echo(f"not fixed: {problem}")
     bad = (report.remaining or journal.remaining) if fix else (report.problems or journal.problems)
     sys.exit(1 if bad else 0)
 
@@ -96,10 +101,12 @@ def _check_capacity(nvme_path: str) -> int:
 
 from kvstore.cli.bench import bench  # noqa: E402 - the command groups, each in its own module
 from kvstore.cli.demo import demo  # noqa: E402
+from kvstore.cli.route import route  # noqa: E402
 from kvstore.cli.serve import serve_command  # noqa: E402
 
 main.add_command(bench, "bench")
 main.add_command(demo, "demo")
+main.add_command(route, "route")
 main.add_command(serve_command, "serve")
 
 if __name__ == "__main__":

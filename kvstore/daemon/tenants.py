@@ -197,7 +197,7 @@ def load_key_secret(config: Config) -> bytes:
     make_private_dir(state)
     path = os.path.join(state, SECRET_NAME)
     try:
-        return _read_secret(path)
+        return read_key_secret(path)
     except FileNotFoundError:
         pass
     tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
@@ -213,10 +213,10 @@ def load_key_secret(config: Config) -> bytes:
         pass
     finally:
         os.unlink(tmp)
-    return _read_secret(path)
+    return read_key_secret(path)
 
 
-def _read_secret(path: str) -> bytes:
+def read_key_secret(path: str) -> bytes:
     """The secret kept at ``path``: a regular file this user owns, read
     without following a link or blocking on a FIFO (:func:`open_private_file`)."""
     fd = open_private_file(path, os.O_RDONLY)
