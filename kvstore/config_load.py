@@ -20,6 +20,7 @@ variable or the path.
 """
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import os
@@ -31,7 +32,7 @@ from typing import Any
 
 from kvstore.config import TIERS, Config
 from kvstore.errors import ConfigError
-from kvstore.schema import Section, check_tree, section_type
+from kvstore.schema import Section, SectionError, check_tree, section_type
 
 ENV_PREFIX = "KVSTORE_"
 ENV_FILE = "KVSTORE_CONFIG"
@@ -52,7 +53,7 @@ def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] |
     tree: dict[str, Any] = {}
     if path is not None:
         tree = merge(tree, read_config_file(os.fspath(path), named))
-    from_env = env_tree(env)
+    from_env, variables = _env_layer(env)
     if path is not None:
         _no_env_over_file(tree, from_env, f"{named} {os.fspath(path)}")
     tree = merge(tree, from_env)
@@ -61,7 +62,28 @@ def load_config(path: str | os.PathLike | None = None, data: Mapping[str, Any] |
             raise ConfigError(f"config: must be an object (got {type(data).__name__})")
         check_tree(data, "config")
         tree = merge(tree, data)
-    return Config.from_dict(tree)
+    try:
+        return Config.from_dict(tree)
+    except SectionError as exc:
+        # a value a variable gave is named by that variable: the user set it, not the
+        # tree's path, nor the flag that would set it (serve names that one)
+        given = {where: name for where, name in variables.items() if not _given(data or {}, where)}
+        raise SectionError(Config, [(_named_by(loc, given), msg) for loc, msg in exc.items]) from None
+
+
+def _named_by(loc: tuple[str | int, ...], variables: Mapping[tuple[str, ...], str]) -> tuple[str | int, ...]:
+    """``loc`` with the part a variable set replaced by ``$VARIABLE``."""
+    for n in range(len(loc), 0, -1):
+        name = variables.get(typing.cast(tuple[str, ...], loc[:n]))
+        if name is not None:
+            return (f"${name}", *loc[n:])
+    return loc
+
+
+def env_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings the environment gives, by dotted path: ``{"daemon.metrics.port":
+    "KVSTORE_DAEMON_METRICS_PORT"}`` (so an error about one names the variable)."""
+    return {".".join(where): name for where, name in _env_layer(os.environ if env is None else env)[1].items()}
 
 
 # Settings a variable may not replace once the file gives them: who may
@@ -201,11 +223,22 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # -- environment --------------------------------------------------------------------------
 def env_tree(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings ``KVSTORE_STORE_*``, ``KVSTORE_POLICY_*`` and ``KVSTORE_DAEMON_*`` as a tree.
-    Other ``KVSTORE_`` variables (the log level, the benchmarks' cache) are not the tree's."""
+    Other ``KVSTORE_`` variables (the log level, the benchmarks' cache) are not the tree's,
+    but one whose first word is nearly a section's (``KVSTORE_DEAMON_...``), or that names
+    a setting without its section (``KVSTORE_DRAM_CAPACITY_BYTES``), is an error: ignored,
+    it would leave the user sure of a setting the daemon never saw."""
+    return _env_layer(env)[0]
+
+
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """:func:`env_tree`, and the variable that gave each setting, by its path."""
     tree: dict[str, Any] = {}
+    variables: dict[tuple[str, ...], str] = {}
     for name in sorted(env):
         rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else ""
         if not rest.startswith(tuple(s + "_" for s in _SECTIONS)):
+            if rest and name not in NOT_THE_TREES:
+                _not_a_section(name, rest)
             continue
         found = _env_path(Config, rest)
         if found is None:
@@ -220,7 +253,31 @@ def env_tree(env: Mapping[str, str]) -> dict[str, Any]:
         if isinstance(node.get(path[-1]), dict):
             raise ConfigError(f"{name}: {'.'.join(path)} is also set field by field by other variables")
         node[path[-1]] = _env_value(name, env[name], annotation)
-    return tree
+        variables[tuple(path)] = name
+    return tree, variables
+
+
+# the package's own variables that are not settings of the tree (kvstore.settings, the tests)
+NOT_THE_TREES = frozenset({ENV_FILE, "KVSTORE_LOG_LEVEL", "KVSTORE_REDIS_URL", "KVSTORE_CACHE_DIR",
+                           "KVSTORE_TEST_STRICT", "KVSTORE_FUZZ_FRAMES"})
+
+
+def _not_a_section(name: str, rest: str) -> None:
+    """A ConfigError for a variable meant for the tree with its section mistyped or
+    left out (the known sections, and the variable meant if one is); other
+    ``KVSTORE_`` variables are left alone: they may be another program's."""
+    word, _, tail = rest.partition("_")
+    sections = ", ".join(s.upper() for s in _SECTIONS)
+    meant = [s for s in _SECTIONS if _env_path(Config, f"{s}_{rest}") is not None]
+    if meant:
+        raise ConfigError(f"{name}: no section {word.upper()} (the sections are {sections}: {ENV_PREFIX}"
+                          f"<SECTION>_<FIELD>); did you mean {ENV_PREFIX}{meant[0].upper()}_{rest.upper()}?")
+    close = difflib.get_close_matches(word, _SECTIONS, n=1, cutoff=0.6)
+    if close:
+        hint = f"{ENV_PREFIX}{close[0]}_{tail}".upper()
+        exists = _env_path(Config, f"{close[0]}_{tail}") is not None
+        raise ConfigError(f"{name}: no section {word.upper()} (the sections are {sections}: "
+                          f"{ENV_PREFIX}<SECTION>_<FIELD>)" + (f"; did you mean {hint}?" if exists else ""))
 
 
 def _env_path(model: type[Section], rest: str) -> tuple[list[str], Any] | None:

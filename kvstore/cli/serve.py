@@ -8,10 +8,19 @@ file, and the flags override both (see :mod:`kvstore.config_load`).
 What it prints, on stderr: one start line once every listener accepts
 connections (a script may connect as soon as it sees it), one drain line
 after SIGTERM/SIGINT, or one ``error:`` line (exit 2) naming the flag the
-user typed, or the setting, and the value that failed.
+user typed, else the environment variable that set it, else the setting,
+and the value that failed. Before the start line, a step that takes more
+than a second (pre-touching the DRAM arena, scanning the NVMe segments)
+says how far it is, once a second, and how long it took
+(:mod:`kvstore.progress`). The DRAM and NVMe sizes are checked against the
+memory available and the disk's free space before anything is allocated.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -43,6 +52,7 @@ SETTING_OF_FLAG = {
     "kv_events_endpoint": "daemon.kv_events.endpoint",
     "kv_events_replay_endpoint": "daemon.kv_events.replay_endpoint",
     "kv_events_topic": "daemon.kv_events.topic",
+    "tenant_names": "daemon.metrics.tenant_names",
 }
 TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 
@@ -55,6 +65,9 @@ TIER_LABELS = {"hbm": "HBM", "dram": "DRAM", "nvme": "NVMe", "redis": "Redis"}
 @click.option("--host", default=None,
               help="TCP address [127.0.0.1] (metrics stay on 127.0.0.1 unless daemon.metrics.host says).")
 @click.option("--metrics-port", type=PORT, default=None, help="HTTP /metrics (Prometheus) and /health.")
+@click.option("--tenant-names", is_flag=True, default=None,
+              help="Label tenants in /metrics by name (daemon.metrics.tenant_names); without it, by opaque "
+                   "labels, which the start line maps to names.")
 @click.option("--dram", type=SIZE, default=None,
               help="DRAM tier size, e.g. 8GiB. Only the tiers given exist (with none: DRAM 1GiB).")
 @click.option("--nvme", type=SIZE, default=None, help="NVMe tier size, e.g. 200GiB (with --nvme-path).")
@@ -76,6 +89,7 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
     from kvstore.config_load import load_config  # noqa: PLC0415
     from kvstore.daemon.config import SettingUnusable  # noqa: PLC0415
     from kvstore.daemon.server import serve  # noqa: PLC0415
+    from kvstore.hostmem import NoRoom  # noqa: PLC0415
 
     typed = {name for name, value in flags.items() if value is not None}
     try:
@@ -84,15 +98,49 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
             raise KVStoreError("--host needs --tcp-port (or daemon.listen.tcp_port in the config): "
                                "without a port nothing listens on TCP, and the metrics keep their own host")
         cfg.check_servable()
-        report = serve(cfg, ready=lambda daemon: click.echo(start_line(daemon), err=True))
+        check_room(cfg)
+        with _progress_lines():
+            report = serve(cfg, ready=lambda daemon: click.echo(start_line(daemon), err=True))
         click.echo(drain_line(report, cfg), err=True)
-    except SettingUnusable as exc:
+    except (SettingUnusable, NoRoom) as exc:
         fail(KVStoreError(f"{_setting_named(exc.setting, typed)} {exc.value}: {exc.reason}"))
     except SectionError as exc:
         fail(KVStoreError("; ".join(f"{_setting_named(dotted(loc), typed)}: {msg}" if loc else msg
                                     for loc, msg in exc.items)))
     except (KVStoreError, OSError, ValueError) as exc:
         fail(exc)
+
+
+def check_room(cfg: Config) -> None:
+    """The DRAM and NVMe sizes against this host's memory available and the NVMe
+    disk's free space, all before the first byte is allocated: an NVMe size the
+    disk cannot hold must not wait for minutes of DRAM pre-touching to be found."""
+    from kvstore.hostmem import check_memory  # noqa: PLC0415
+
+    if cfg.store.dram is not None:
+        check_memory(cfg.store.dram.capacity_bytes, f"{cfg.store.dram.tree_path}.capacity_bytes")
+    if cfg.store.nvme is not None:
+        from kvstore.tiers.nvme.files import check_disk_room  # noqa: PLC0415
+
+        check_disk_room(cfg.store.nvme)
+
+
+@contextlib.contextmanager
+def _progress_lines() -> Iterator[None]:
+    """The start-up steps' progress (:mod:`kvstore.progress`) on stderr as
+    ``kvstore serve: ...`` lines, whatever the log level (not twice through it)."""
+    progress = logging.getLogger("kvstore.progress")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvstore serve: %(message)s"))
+    saved = progress.level, progress.propagate
+    progress.addHandler(handler)
+    progress.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    progress.propagate = False
+    try:
+        yield
+    finally:
+        progress.removeHandler(handler)
+        progress.level, progress.propagate = saved
 
 
 def _flag_tree(flags: dict[str, Any], tenants: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,13 +159,18 @@ def _flag_tree(flags: dict[str, Any], tenants: list[dict[str, Any]]) -> dict[str
 
 
 def _setting_named(setting: str, typed: set[str]) -> str:
-    """A setting as the user knows it: the flag they typed, else the tree's
-    path (with the flag that would set it, if there is one)."""
+    """A setting as the user knows it: the flag they typed, else the variable
+    that set it (never a flag they did not pass), else the tree's path (with
+    the flag that would set it, if there is one)."""
+    from kvstore.config_load import env_settings  # noqa: PLC0415
+
     flag = next((name for name, path in SETTING_OF_FLAG.items() if path == setting), None)
-    if flag is None:
-        return setting
-    shown = "--" + flag.replace("_", "-")
-    return shown if flag in typed else f"{setting} ({shown})"
+    if flag is not None and flag in typed:
+        return "--" + flag.replace("_", "-")
+    variable = env_settings().get(setting)
+    if variable is not None:
+        return f"${variable}"
+    return setting if flag is None else f"{setting} (--{flag.replace('_', '-')})"
 
 
 def _tenant_specs(texts: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -148,7 +201,7 @@ def _tenant_failure(loc: tuple, msg: str, specs: list[dict[str, Any]]) -> str:
 # -- what it says -----------------------------------------------------------------
 def start_line(daemon: Daemon) -> str:
     """``kvstore serve: listening on unix ./kv.sock, tcp 127.0.0.1:7070; metrics
-    127.0.0.1:9100; tiers DRAM 8.0 GiB, NVMe 200.0 GiB at /var/lib/kvstore;
+    127.0.0.1:9477; tiers DRAM 8.0 GiB, NVMe 200.0 GiB at /var/lib/kvstore;
     policy default; 2 tenants``: where it listens (the ports bound, if 0 was
     asked), the tiers configured and nothing else, and what it found on disk."""
     cfg = daemon.tree
@@ -162,12 +215,24 @@ def start_line(daemon: Daemon) -> str:
     parts.append(f"policy {cfg.policy.name}")
     if daemon.events is not None:
         parts.append(_events_text(daemon.events))
-    n = len(cfg.daemon.tenants)
-    parts.append(f"{n} tenant{_s(n)}" if n else "no tenants (every client is the anonymous one, no token)")
+    parts.append(_tenants_text(daemon))
     found = [h for h in daemon.holdings() if h.persistent and h.blocks]
     if found:
         parts.append("found " + ", ".join(f"{_blocks(h)} on {_label(h.tier)}" for h in found))
     return "kvstore serve: " + "; ".join(parts)
+
+
+def _tenants_text(daemon: Daemon) -> str:
+    """``2 tenants (in /metrics: t1f0c3a2b = teamA, t07d1e9c4 = teamB)``: each
+    tenant's /metrics label beside its name (the labels are opaque unless
+    --tenant-names), so an operator can read a dashboard's rows."""
+    tenants = [] if daemon.tenants.anonymous else list(daemon.tenants)
+    if not tenants:
+        return "no tenants (every client is the anonymous one, no token)"
+    n = len(tenants)
+    if daemon.tree.daemon.metrics.tenant_names:
+        return f"{n} tenant{_s(n)} (by name in /metrics: {', '.join(t.name for t in tenants)})"
+    return f"{n} tenant{_s(n)} (in /metrics: {', '.join(f'{t.label} = {t.name}' for t in tenants)})"
 
 
 def _events_text(events: EventPublisher) -> str:

@@ -156,27 +156,52 @@ class Daemon:
             claims.not_held(config.store.nvme.path, shared=config.store.nvme.read_only)
         secret = claims.key_secret(config)
         claims.raise_fd_limit()
-        if store is None:
-            store = await claims.open_store(config)
+        # the listeners are claimed before the store opens: a port in use or
+        # another daemon on the socket is said at once, not after the store
+        # has pre-touched its memory and scanned its disk (seconds to minutes);
+        # connections wait in the backlog until the accept loops start below
+        listen, metrics_at = config.daemon.listen, config.daemon.metrics
+        unix_sock = tcp_sock = metrics_sock = None
+        try:
+            if listen.unix_path:
+                unix_sock = claims.unix_listener(listen.unix_path, listen.unix_mode)
+            if listen.tcp_port is not None:
+                tcp_sock = claims.tcp_listener(listen.tcp_host, listen.tcp_port,
+                                               ("daemon.listen.tcp_host", "daemon.listen.tcp_port"))
+            if metrics_at.port is not None:
+                metrics_sock = claims.tcp_listener(metrics_at.host, metrics_at.port,
+                                                   ("daemon.metrics.host", "daemon.metrics.port"))
+            if store is None:
+                store = await claims.open_store(config)
+        except BaseException:
+            for sock in (unix_sock, tcp_sock, metrics_sock):
+                if sock is not None:
+                    sock.close()
+            if unix_sock is not None and listen.unix_path:   # ours, bound above (never another daemon's)
+                with contextlib.suppress(OSError):
+                    os.unlink(listen.unix_path)
+            raise
         self = cls(config, store, secret)
         try:
             self._publish_events(config.daemon.kv_events)
-            listen, metrics_at = config.daemon.listen, config.daemon.metrics
-            if listen.unix_path:
-                self._listen(claims.unix_listener(listen.unix_path, listen.unix_mode), self._admit, _shed)
-            if listen.tcp_port is not None:
-                sock = claims.tcp_listener(listen.tcp_host, listen.tcp_port,
-                                     ("daemon.listen.tcp_host", "daemon.listen.tcp_port"))
-                self.tcp_port = sock.getsockname()[1]
-                self._listen(sock, self._admit, _shed)
-            if metrics_at.port is not None:
-                sock = claims.tcp_listener(metrics_at.host, metrics_at.port,
-                                           ("daemon.metrics.host", "daemon.metrics.port"))
+            if unix_sock is not None:
+                self._listen(unix_sock, self._admit, _shed)
+            if tcp_sock is not None:
+                self.tcp_port = tcp_sock.getsockname()[1]
+                self._listen(tcp_sock, self._admit, _shed)
+            if metrics_sock is not None:
                 cache = RenderCache({True: self.registry, False: self._public_registry}, metrics_at.cache_s)
-                self.metrics = metrics = MetricsServer(sock, cache, self.health, self.operator)
+                self.metrics = metrics = MetricsServer(metrics_sock, cache, self.health, self.operator)
                 # out of descriptors, a scrape is still served, on the spare one
-                self._listen(sock, lambda s, _addr: metrics.serve(s), metrics.serve)
+                self._listen(metrics_sock, lambda s, _addr: metrics.serve(s), metrics.serve)
         except BaseException:
+            listening = set(map(id, self._listeners))
+            for sock in (unix_sock, tcp_sock, metrics_sock):
+                if sock is not None and id(sock) not in listening:
+                    sock.close()
+            if unix_sock is not None and id(unix_sock) not in listening and listen.unix_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(listen.unix_path)
             await self._close_listeners()
             await store.aclose()
             if self.events is not None:
@@ -407,6 +432,7 @@ class Daemon:
         op, req_id = header[5], 0  # for an error reply before the header parses
         ten = conn.tenant
         body_read = False
+        meta: dict | None = None
         try:
             op, _status, req_id, meta_len, payload_len = unpack_header(
                 header, max_meta=_DISCARD_META if ten else MAX_META_BYTES,
@@ -427,7 +453,11 @@ class Daemon:
             head = _reply_head(op, req_id, reply, blocks, fds)
         except (ProtocolError, AuthFailed) as exc:
             self.errors += 1
-            log.warning("connection %s: %s; closing it", conn.peer, exc)
+            why = str(exc)
+            if isinstance(exc, AuthFailed) and op == Op.HELLO and isinstance(meta, dict):
+                # the operator is told which of token or uid failed; the client, one answer for both
+                why += f": {self.tenants.refusal(meta.get('token'), conn.uid)}"
+            log.warning("connection %s: %s; closing it", conn.peer, why)
             await self._send_error(loop, conn, op, req_id, exc)
             return False
         except KVStoreError as exc:  # bad input in a well-formed request: answer, keep going

@@ -151,6 +151,29 @@ class TenantTable:
         """The tenant of ``token``, if the peer's ``uid`` (Unix sockets) is one it allows."""
         if self.anonymous:
             return self.by_name[ANONYMOUS]
+        tenant = self._holder(token)
+        if tenant is not None and tenant.uids and uid not in tenant.uids:
+            return None
+        return tenant
+
+    def refusal(self, token: object, uid: int | None) -> str:
+        """Why :meth:`authenticate` refused ``token`` from ``uid``, for the
+        daemon's own log only: the client is told one answer for both (which
+        of them failed would tell a guesser that a token is real). Never the
+        token itself."""
+        if not isinstance(token, str):
+            return "no token given"
+        tenant = self._holder(token)
+        if tenant is None:
+            return "the token is no tenant's"
+        allowed = ", ".join(map(str, tenant.uids))
+        if uid is None:
+            return (f"the token is tenant {tenant.name}'s, which admits only uids {allowed}, and a TCP peer "
+                    "has no uid (connect on the Unix socket)")
+        return f"the token is tenant {tenant.name}'s, but uid {uid} is not among its uids ({allowed})"
+
+    def _holder(self, token: object) -> Tenant | None:
+        """The tenant whose token ``token`` is, compared in constant time."""
         if not isinstance(token, str):
             return None
         given = token.encode("utf-8", "surrogatepass")
@@ -158,10 +181,7 @@ class TenantTable:
         for tok, name in self._tokens:  # compare with all: no early exit to time
             if hmac.compare_digest(tok, given):
                 found = name
-        tenant = self.by_name[found] if found else None
-        if tenant is not None and tenant.uids and uid not in tenant.uids:
-            return None
-        return tenant
+        return self.by_name[found] if found else None
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self.by_name.values())

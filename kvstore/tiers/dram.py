@@ -54,7 +54,9 @@ class DramTier(TierOps):
     def __init__(self, config: DramConfig) -> None:
         self.config = config
         self.name = config.name
-        self._arena, self.pinned = alloc_arena(config.capacity_bytes, pinned=config.pinned)
+        self._arena, self.pinned = alloc_arena(
+            config.capacity_bytes, pinned=config.pinned, setting=f"{config.tree_path}.capacity_bytes",
+            what="of DRAM" if config.name == "dram" else f"of DRAM ({config.name})")
         self._mv = self._arena.data         # slice assignment on a memoryview is a plain memcpy
         self._alloc = SlabAllocator(config.capacity_bytes, min(config.page_bytes, config.capacity_bytes))
         self._index: dict[BlockKey, tuple[int, RecordHeader]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -99,8 +100,9 @@ def test_start_line_once_listening_then_drain_line_with_what_was_flushed_and_hel
         probe = socket.socket(socket.AF_UNIX)
         probe.connect(str(tmp_path / "kv.sock"))      # listening the moment the line appears
         probe.close()
-        assert start == ("kvstore serve: listening on unix kv.sock; tiers DRAM 64.0 MiB, "
-                         "NVMe 256.0 MiB at nvme; policy default; 1 tenant")
+        assert re.fullmatch(r"kvstore serve: listening on unix kv\.sock; tiers DRAM 64\.0 MiB, "
+                            r"NVMe 256\.0 MiB at nvme; policy default; 1 tenant \(in /metrics: t[0-9a-f]{8} = teamA\)",
+                            start), start
         keys, data = blocks(1, 6)
         with RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'kv.sock'}", token=TOKEN, shm=False)) as c:
             assert c.put(IDENT, keys, data) == [PutOutcome.STORED] * 6
@@ -116,7 +118,8 @@ def test_start_line_once_listening_then_drain_line_with_what_was_flushed_and_hel
 
     again = Serving(tmp_path, *args)     # a restart says what it found
     try:
-        assert again.line().endswith(f"; 1 tenant; found {held} on NVMe")
+        assert re.search(rf"; 1 tenant \(in /metrics: t[0-9a-f]{{8}} = teamA\); found {re.escape(held)} on NVMe$",
+                         again.line())
         rc, rest = again.stop()
     finally:
         again.kill()
@@ -280,3 +283,38 @@ def test_a_second_daemon_on_the_same_nvme_directory_names_the_flag_and_leaves_th
     finally:
         first.kill()
     assert rc == 0 and "holding 2 blocks" in rest[0]
+
+
+def test_the_start_line_maps_tenant_labels_and_tenant_names_labels_by_name(tmp_path):
+    """/metrics labels tenants opaquely; the start line says which label is
+    whom, and --tenant-names (over a config file that says otherwise) labels
+    them by name."""
+    import json
+    import urllib.request
+
+    config = tmp_path / "kv.json"
+    config.write_text(json.dumps({"daemon": {"metrics": {"tenant_names": False}, "tenants": [
+        {"name": "teamA", "token": TOKEN, "admin": True}, {"name": "teamB", "token": "token-team-b-2"}]}}))
+    base = ("--config", str(config), "--unix", "kv.sock", "--metrics-port", "0", "--dram", "64MiB")
+
+    def scrape(start: str) -> str:
+        port = int(start.split("metrics 127.0.0.1:")[1].split(";")[0])
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as reply:
+            return reply.read().decode()
+
+    for flags, named in (((), False), (("--tenant-names",), True)):
+        d = Serving(tmp_path, *base, *flags)
+        try:
+            start = d.line()
+            text = scrape(start)
+            assert d.stop()[0] == 0
+        finally:
+            d.kill()
+        if named:
+            assert start.endswith("; 2 tenants (by name in /metrics: teamA, teamB)"), start
+            assert {"teamA", "teamB"} == set(re.findall(r'kvstore_tenant_hits_total\{tenant="([^"]+)"\}', text))
+        else:
+            got = re.search(r"; 2 tenants \(in /metrics: (t[0-9a-f]{8}) = teamA, (t[0-9a-f]{8}) = teamB\)$", start)
+            assert got, start
+            assert set(got.groups()) == set(re.findall(r'kvstore_tenant_hits_total\{tenant="([^"]+)"\}', text))

@@ -35,6 +35,10 @@ class NvmeConfig(Section):
     evicted_backlog: Annotated[Int, Field(ge=0)] = 1 << 16   # evicted keys kept for drain_evicted()
     name: Annotated[str, Field(min_length=1)] = "nvme"
     read_only: Flag = False             # inspect only (kvstore check): no truncation, eviction or writes
+    # kvstore serve refuses a capacity past the disk's free space (plus the segments'):
+    # false lets it start anyway (a compressing or thinly provisioned disk); puts past
+    # what the disk holds then answer no_space
+    check_free_space: Flag = True
 
     @model_validator(mode="after")
     def _budget_fits(self) -> NvmeConfig:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvstore.errors import TierUnavailable
+from kvstore.hostmem import NoRoom
 from kvstore.private_paths import (
     UntrustedPath,
     check_private_dir,
@@ -39,6 +40,7 @@ from kvstore.tiers.segments import (
     recover_framing,
     scan_segment,
 )
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.tiers.nvme")
 
@@ -99,6 +101,48 @@ def lock_dir(fd: int, path: str, *, shared: bool) -> None:
 def segment_files(path: str) -> list[tuple[int, str]]:
     """(id, name) of every ``*.seg`` name in the directory, oldest first."""
     return sorted((sid, name) for name in os.listdir(path) if (sid := parse_segment_name(name)) is not None)
+
+
+def file_bytes(path: str, name: str) -> int:
+    """The size of ``path/name`` if it is a regular file (not followed), else 0."""
+    try:
+        st = os.lstat(os.path.join(path, name))
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def disk_room(path: str) -> tuple[int, int] | None:
+    """(bytes the tier at ``path`` could hold on its disk, bytes of them its
+    segments already hold): the disk's free space (for an unprivileged user)
+    plus the segments', which a tier reuses. ``path`` need not exist yet (its
+    nearest existing parent's disk is the one); None if no statvfs answers."""
+    held = sum(file_bytes(path, name) for _, name in segment_files(path)) if os.path.isdir(path) else 0
+    probe = os.path.abspath(path)
+    while True:
+        try:
+            st = os.statvfs(probe)
+            break
+        except OSError:
+            if probe == os.path.dirname(probe):
+                return None
+            probe = os.path.dirname(probe)
+    return st.f_bavail * st.f_frsize + held, held
+
+
+def check_disk_room(config: NvmeConfig) -> None:
+    """:class:`~kvstore.hostmem.NoRoom` if the tier's ``capacity_bytes`` is more
+    than its disk can hold (:func:`disk_room`), unless ``check_free_space`` is off
+    (a disk that compresses or is thinly provisioned, a test of a full disk) or
+    the tier is read-only (it writes nothing)."""
+    if config.read_only or not config.check_free_space:
+        return
+    room = disk_room(config.path)
+    if room is not None and config.capacity_bytes > room[0]:
+        held = f", counting the {format_size(room[1])} its segments hold" if room[1] else ""
+        raise NoRoom(f"{config.tree_path}.capacity_bytes", format_size(config.capacity_bytes),
+                     f"is more than the {format_size(room[0])} free on the disk of {config.path}{held} "
+                     f"(or set {config.tree_path}.check_free_space = false to overcommit the disk)")
 
 
 @dataclass

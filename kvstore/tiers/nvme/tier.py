@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence, cast
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import GetOutcome, PutOutcome
+from kvstore.progress import Progress
 from kvstore.record import BlockSpec, RecordHeader, check_layout
 from kvstore.tiers.base import TierOps, check_batch
 from kvstore.tiers.nvme.compactor import CheckReport, Compactor
 from kvstore.tiers.nvme.config import NvmeConfig
 from kvstore.tiers.nvme.counters import NvmeCounters
-from kvstore.tiers.nvme.files import open_dir, open_segment_file, segment_files
+from kvstore.tiers.nvme.files import file_bytes, open_dir, open_segment_file, segment_files
 from kvstore.tiers.nvme.index import Loc, NvmeIndex
 from kvstore.tiers.nvme.segio import AppendItem, SegmentIO
 from kvstore.tiers.nvme.tombstones import Tombstones, is_tombstone
@@ -87,12 +88,19 @@ class NvmeTier(TierOps):
         return await asyncio.get_running_loop().run_in_executor(None, cls, config)
 
     def _open_segments(self) -> None:
-        """Rebuild the index from the segment files, oldest first."""
-        for sid, name in segment_files(self.config.path):
+        """Rebuild the index from the segment files, oldest first (told as it
+        goes when it takes more than a second: :mod:`kvstore.progress`)."""
+        found = [(sid, name, file_bytes(self.config.path, name)) for sid, name in segment_files(self.config.path)]
+        progress = Progress("scanning", "scanned", f"of NVMe segments at {self.config.path}",
+                            sum(size for _, _, size in found))
+        for sid, name, size in found:
             opened = open_segment_file(self.config, sid, name, self.counters, fsync=self.io.fsync)
             self.foreign += [name] if opened.foreign else []
             self.headless += [name] if opened.headless else []
             self.index.load(sid, opened.segment, opened.records)
+            progress.advance(size)
+        blocks = len(self.index.live)
+        progress.finish(f" ({blocks:,} block{'' if blocks == 1 else 's'})")
         if not self.config.read_only:
             self.index.resume()
 
