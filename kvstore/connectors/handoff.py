@@ -68,6 +68,7 @@ from kvstore.identity import CacheIdentity
 HANDOFF_PARAM = "kvstore_handoff"          # in the producer's answer, then the consumer's request
 RESULT_PARAM = "kvstore_handoff_result"    # in the consumer's answer: what became of the handoff
 DEFAULT_LEASE_S = 120.0
+DEFAULT_MAX_LEASED = 1 << 16               # blocks a producer leases per cache salt within a lease (LeaseBudget)
 MAX_LEASE_S = 3600.0
 MAX_BLOCKS = 1 << 20                       # more than any context window holds
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -121,9 +122,9 @@ class Handoff:
     expires: float
 
     @classmethod
-    def offer(cls, identity: CacheIdentity, blocks: int, lease_s: float) -> Handoff:
+    def offer(cls, identity: CacheIdentity, blocks: int, lease_s: float, hid: str | None = None) -> Handoff:
         ident, unsalted, layout = digests(identity)
-        return cls(secrets.token_hex(16), blocks, identity.layout.block_tokens, ident, unsalted, layout,
+        return cls(hid or new_id(), blocks, identity.layout.block_tokens, ident, unsalted, layout,
                    round(time.time() + lease_s, 3))
 
     def to_params(self) -> dict[str, Any]:
@@ -171,9 +172,54 @@ class Handoff:
         return None
 
 
+def new_id() -> str:
+    """A handoff's id: also the holder its lease pins under, so only its own
+    consumer (who was handed the id) releases it."""
+    return secrets.token_hex(16)
+
+
 def remote_decode(params: Mapping[str, Any] | None) -> bool:
-    """Whether a request is the prefill leg of a disaggregated request."""
-    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
+    """Whether a request is the prefill leg of a disaggregated request (one
+    that is a decode leg too is not: it already came from a prefill)."""
+    return isinstance(params, Mapping) and params.get("do_remote_decode") is True \
+        and params.get("do_remote_prefill") is not True
+
+
+class LeaseBudget:
+    """Blocks leased per cache salt, at most ``limit`` at once: a lease is
+    asked for by the client's request (``do_remote_decode``), so one salt
+    (one tenant of an engine) asking for prefill legs it never decodes can
+    pin no more than this; past it a handoff is made unleased (its blocks
+    are ordinary cache entries). Released by the consumer, or by expiry."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, dict[str, tuple[float, int]]] = {}   # salt -> handoff id -> (expiry, blocks)
+
+    def take(self, salt: str, hid: str, blocks: int, expiry: float, now: float) -> bool:
+        held = self._held.setdefault(salt, {})
+        for h in [h for h, (e, _) in held.items() if e <= now]:
+            del held[h]
+        if sum(n for _, n in held.values()) + blocks > self.limit:
+            return False
+        held[hid] = (expiry, blocks)
+        return True
+
+    def give(self, salt: str, hid: str) -> None:
+        held = self._held.get(salt)
+        if held is not None:
+            held.pop(hid, None)
+            if not held:
+                del self._held[salt]
+
+    def leased(self, salt: str) -> int:
+        return sum(n for _, n in self._held.get(salt, {}).values())
+
+
+def check_max_leased(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"max_handoff_blocks must be a block count >= 0, got {value!r}"[:160])
+    return value
 
 
 def remote_prefill(params: Mapping[str, Any] | None) -> bool:

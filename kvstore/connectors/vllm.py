@@ -96,11 +96,15 @@ from kvstore.connectors._common import (
 )
 from kvstore.connectors.handoff import (
     DEFAULT_LEASE_S,
+    DEFAULT_MAX_LEASED,
     RESULT_PARAM,
     Handoff,
+    LeaseBudget,
     Outcome,
     check_lease,
+    check_max_leased,
     count,
+    new_id,
     remote_decode,
     remote_prefill,
 )
@@ -267,13 +271,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         engine_logging()
         self.config = ConnectorConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config,
-                                                known_extra=("checkpoint_blocks", "handoff_lease_s"))
+                                                known_extra=("checkpoint_blocks", "handoff_lease_s",
+                                                             "max_handoff_blocks"))
         # vLLM's kv_role: a producer (a prefill engine) never loads, a
         # consumer (a decode engine) never saves, kv_both does both
         role_name = self._kv_transfer_config.kv_role or "kv_both"
         self.loads = self.config.load and role_name != "kv_producer"
         self.saves = self.config.save and role_name != "kv_consumer"
         self.lease_s = check_lease(self.config.extra_value("handoff_lease_s", DEFAULT_LEASE_S))
+        self.lease_budget = LeaseBudget(check_max_leased(self.config.extra_value("max_handoff_blocks",
+                                                                                 DEFAULT_MAX_LEASED)))
         self.checkpoint_blocks = self.config.extra_value("checkpoint_blocks", 0)
         if isinstance(self.checkpoint_blocks, bool) or not isinstance(self.checkpoint_blocks, int) \
                 or self.checkpoint_blocks < 0:
@@ -592,9 +599,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         sealed = request.num_prompt_tokens // self.block_size
         held = self._stored_prefix(st, sealed).blocks      # a probe: what the saves left in the store
         keys = self._handoff_keys(st, held)
-        granted = self.guard.call("pin", lambda: self.store.pin(keys, self.lease_s), 0.0) if keys else self.lease_s
-        handoff = Handoff.offer(st.identities[0], held, min(granted, self.lease_s) or self.lease_s)
-        count("producer", Outcome.OFFERED if granted else Outcome.NOT_LEASED)
+        hid, salt, now = new_id(), st.identities[0].cache_salt, time.time()
+        granted = 0.0
+        # the lease pins under the handoff's id: only its consumer (handed the id) releases it
+        if keys and self.lease_budget.take(salt, hid, len(keys), now + self.lease_s, now):
+            granted = self.guard.call("pin", lambda: self.store.pin(keys, self.lease_s, hid), 0.0)
+            if not granted:
+                self.lease_budget.give(salt, hid)
+        handoff = Handoff.offer(st.identities[0], held, min(granted, self.lease_s) or self.lease_s, hid)
+        count("producer", Outcome.OFFERED if granted or not keys else Outcome.NOT_LEASED)
         log.debug("kvstore: %s hands off %d blocks (%s), lease %.0f s", request.request_id, held,
                   handoff.id, granted)
         return handoff.to_params()
@@ -618,8 +631,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         h, outcome = st.handoff, st.handoff_outcome
         if h is not None and (outcome is None or not outcome.refuses):
             keys = self._handoff_keys(st, min(h.blocks, st.request.num_prompt_tokens // self.block_size))
-            if keys:
-                self.guard.call("unpin", lambda: self.store.unpin(keys), None)
+            if keys:       # the handoff's own lease only: a forged id releases nothing
+                self.guard.call("unpin", lambda: self.store.unpin(keys, h.id), None)
+            self.lease_budget.give(st.identities[0].cache_salt, h.id)
             if outcome is None:
                 outcome = Outcome.LOAD_FAILED if st.load_failed or st.load_errors else \
                     Outcome.SHORT if st.hit.blocks < h.blocks else Outcome.LOADED

@@ -70,6 +70,7 @@ from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
 from kvstore.record import BlockSpec
 from kvstore.sessions.task import TaskSession
+from kvstore.store.leases import check_holder
 from kvstore.store.tiered import LookupResult
 from kvstore.tiers.base import check_batch
 
@@ -430,19 +431,21 @@ class RemoteStore:
                        for p in self._chunks(len(keys)))
         return self._pool.submit(run)
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
-        """Pin for ``ttl_s``; returns the TTL the daemon granted (it caps them)."""
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float, holder: str = "") -> float:
+        """Pin for ``ttl_s`` under ``holder``; returns the TTL the daemon granted (it caps them)."""
         keys = [check_key(k) for k in keys]
         granted = float(ttl_s)
+        extra = {"holder": check_holder(holder)} if holder else {}
         for p in self._chunks(len(keys)) or [range(0)]:
-            granted = self._with_conn(_request(Op.PIN, {"keys": keys[p.start:p.stop],
-                                                        "ttl_s": float(ttl_s)})).get("ttl_s", granted)
+            granted = self._with_conn(_request(Op.PIN, {"keys": keys[p.start:p.stop], "ttl_s": float(ttl_s),
+                                                        **extra})).get("ttl_s", granted)
         return granted
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
+    def unpin(self, keys: Sequence[BlockKey], holder: str = "") -> None:
         keys = [check_key(k) for k in keys]
+        extra = {"holder": check_holder(holder)} if holder else {}
         for p in self._chunks(len(keys)) or [range(0)]:
-            self._with_conn(_request(Op.UNPIN, {"keys": keys[p.start:p.stop]}))
+            self._with_conn(_request(Op.UNPIN, {"keys": keys[p.start:p.stop], **extra}))
 
     def task_session(self, task_id: str) -> TaskSession:
         """An agent task's session in the daemon, namespaced by this client's

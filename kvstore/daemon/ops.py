@@ -42,6 +42,7 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
 from kvstore.sessions.ledger import CALLS, MAX_TASK_ID, SessionError
+from kvstore.store.leases import check_holder
 from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
 Reply = tuple[dict[str, Any], list[memoryview], list[int]]   # metadata, payload blocks, fds to pass
@@ -214,9 +215,10 @@ class Handlers:
         # in the tenant's namespace that some tier holds is one it stored.
         keys = await self._keys(ten, meta)
         keys = [k for k, there in zip(keys, await self.store.aheld(keys)) if there]
+        holder = check_holder(meta.get("holder", ""))
         now = self.store.clock()
-        ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant)
-        self.store.pin(keys, ttl)
+        ten.pin(keys, now + ttl, now, self.limits.max_pins_per_tenant, holder)
+        self.store.pin(keys, ttl, holder)
         return {"ttl_s": ttl}
 
     async def _engine(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
@@ -270,8 +272,9 @@ class Handlers:
 
     async def _unpin(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
         keys = await self._keys(ten, meta)
-        self.store.unpin(keys)
-        ten.unpin(keys)
+        holder = check_holder(meta.get("holder", ""))
+        self.store.unpin(keys, holder)
+        ten.unpin(keys, holder)
         return {}
 
     async def _invalidate(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:

@@ -70,7 +70,7 @@ class Tenant:
     buffer_bytes: int = 0              # receive buffers its connections hold
     shm_bytes: int = 0                 # shared-memory segments its connections hold
     connections: int = 0
-    pins: dict[BlockKey, float] = field(default_factory=dict)   # server key -> expiry (clock)
+    pins: dict[tuple[BlockKey, str], float] = field(default_factory=dict)   # (server key, holder) -> expiry
     engines: dict[str, int] = field(default_factory=dict)       # engine -> its prefix cache (tokens), oldest first
     hits: int = 0
     misses: Counter = field(default_factory=Counter)          # MissReason value -> count
@@ -110,22 +110,23 @@ class Tenant:
     def give_shm(self, nbytes: int) -> None:
         self.shm_bytes -= nbytes
 
-    def pin(self, keys: Iterable[BlockKey], expiry: float, now: float, limit: int) -> None:
-        """Count pins (a key pinned again only moves its expiry), or :class:`Overloaded`."""
-        keys = list(keys)
-        new = sum(k not in self.pins for k in keys)
+    def pin(self, keys: Iterable[BlockKey], expiry: float, now: float, limit: int, holder: str = "") -> None:
+        """Count pins, one per key and holder (pinned again: only its expiry
+        moves), or :class:`Overloaded`."""
+        pins = [(k, holder) for k in keys]
+        new = sum(p not in self.pins for p in pins)
         if len(self.pins) + new > limit:
-            self.pins = {k: e for k, e in self.pins.items() if e > now}   # forget expired ones first
-            new = sum(k not in self.pins for k in keys)
+            self.pins = {p: e for p, e in self.pins.items() if e > now}   # forget expired ones first
+            new = sum(p not in self.pins for p in pins)
             if len(self.pins) + new > limit:
                 raise Overloaded(f"tenant {self.name}: {len(self.pins) + new} pins would exceed its "
                                  f"limit of {limit}")
-        for k in keys:
-            self.pins[k] = max(expiry, self.pins.get(k, 0.0))
+        for p in pins:
+            self.pins[p] = max(expiry, self.pins.get(p, 0.0))
 
-    def unpin(self, keys: Iterable[BlockKey]) -> None:
+    def unpin(self, keys: Iterable[BlockKey], holder: str = "") -> None:
         for k in keys:
-            self.pins.pop(k, None)
+            self.pins.pop((k, holder), None)
 
 
 class TenantTable:

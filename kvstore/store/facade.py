@@ -48,10 +48,12 @@ class Store(Protocol):
 
     def prefetch(self, keys: Sequence[BlockKey], to: str | int = 0) -> concurrent.futures.Future: ...
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
-        """Pin for ``ttl_s``; returns the TTL granted (a daemon caps it)."""
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float, holder: str = "") -> float:
+        """Pin for ``ttl_s`` under ``holder`` (a key stays pinned while any
+        holder's pin lives); returns the TTL granted (a daemon caps it)."""
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None: ...
+    def unpin(self, keys: Sequence[BlockKey], holder: str = "") -> None:
+        """Drop ``holder``'s pins of ``keys``."""
 
     def report_engine(self, hbm_tokens: int) -> int:
         """The engine's own prefix cache holds ``hbm_tokens`` (the HBM above

@@ -94,8 +94,8 @@ class KVStore:
             return await self.store.aprefetch(keys, to)
         return asyncio.run_coroutine_threadsafe(_wait(), self._loop)
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
-        return self._run(lambda: self.store.pin(keys, ttl_s))
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float, holder: str = "") -> float:
+        return self._run(lambda: self.store.pin(keys, ttl_s, holder))
 
     def task_session(self, task_id: str, *, tenant: str = "default") -> TaskSession:
         """:meth:`TieredStore.task_session`, its calls run on the store's loop."""
@@ -106,8 +106,8 @@ class KVStore:
     def report_engine(self, hbm_tokens: int) -> int:
         return self._run(lambda: self.store.report_engine(hbm_tokens))
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
-        self._run(lambda: self.store.unpin(keys))
+    def unpin(self, keys: Sequence[BlockKey], holder: str = "") -> None:
+        self._run(lambda: self.store.unpin(keys, holder))
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int:
         return self._call(self.store.ainvalidate(identity))

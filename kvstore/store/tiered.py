@@ -42,7 +42,7 @@ from kvstore.sessions.task import TaskSession
 from kvstore.stats import LATENCY_BUCKETS, StoreStats
 from kvstore.store.beliefs import Beliefs
 from kvstore.store.driver import RequestDriver
-from kvstore.store.leases import Leases, Protected
+from kvstore.store.leases import Leases, Protected, check_holder
 from kvstore.store.moves import Applied, Executor, Held
 from kvstore.store.planner import Planner, SessionHints, TierPlan, extra_copies
 from kvstore.store.prefetch import Prefetcher
@@ -522,17 +522,19 @@ class TieredStore:
         """Bytes the blocks of ``owner`` hold in the store (each block once)."""
         return self.planner.owner_bytes(owner)
 
-    def pin(self, keys: Sequence[BlockKey], ttl_s: float) -> float:
+    def pin(self, keys: Sequence[BlockKey], ttl_s: float, holder: str = "") -> float:
         """Lease: pinned blocks are never chosen for eviction until unpinned or
         expired, in any tier; NVMe keeps the segments that hold them (a put
         that finds every segment pinned gets NO_SPACE there). Pins live in
         this process: a restart drops them. Returns the TTL granted (all of
-        it, in process; a daemon caps it)."""
-        self.leases.pin([check_key(k) for k in keys], ttl_s)
+        it, in process; a daemon caps it). ``holder``: whose pin (a key stays
+        pinned while any holder's lives; :class:`~kvstore.store.leases.Leases`)."""
+        self.leases.pin([check_key(k) for k in keys], ttl_s, check_holder(holder))
         return float(ttl_s)
 
-    def unpin(self, keys: Sequence[BlockKey]) -> None:
-        self.leases.unpin([check_key(k) for k in keys])
+    def unpin(self, keys: Sequence[BlockKey], holder: str = "") -> None:
+        """Drop ``holder``'s pins of ``keys``."""
+        self.leases.unpin([check_key(k) for k in keys], check_holder(holder))
 
     async def ainvalidate(self, identity: CacheIdentity | bytes) -> int:
         """Drop every block of a namespace from every tier, now. Returns blocks dropped."""

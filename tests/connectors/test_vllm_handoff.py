@@ -38,8 +38,10 @@ P3 = prompt(22, 130)            # invalidated between the legs
 P3_SALT = "tenant-p3"
 P4 = prompt(23, 110)            # handed off, never consumed: its lease must expire
 P5 = prompt(24, 170)            # aborted during its prefill: nothing leased
+P4_SALT = "tenant-p4"
+P6 = prompt(25, 100)            # past the default salt's lease budget (12 blocks: P1's and P1b's): unleased
 HANDOFF_KEYS = {"P1": len(P1) // BS, "P1b": len(P1) // BS, "P2": len(P2) // BS, "P3": len(P3) // BS,
-                "P4": len(P4) // BS}
+                "P4": len(P4) // BS, "P6": len(P6) // BS}
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
            "remote_block_ids": None, "remote_host": None, "remote_port": None}   # vLLM's toy proxy's
 
@@ -79,7 +81,7 @@ def runs(tmp_path_factory):
     redis = RedisServer(tmp / "redis").start()
     ident = {"identity": {"model_revision": "test"}}
     over_tcp = {"store": {"remote": {"url": daemon.url, "token": TOKEN}}, **ident,
-                "handoff_lease_s": LEASE_S}
+                "handoff_lease_s": LEASE_S, "max_handoff_blocks": 12}
     over_redis = {"store": {"redis": {"url": redis.url}}, **ident}
     produced, consumed_redis = tmp / "produced", tmp / "produced-redis"
     model = str(tmp / "model")
@@ -88,7 +90,8 @@ def runs(tmp_path_factory):
             gen("P1", P1), gen("P2", P2, salt=P2_SALT), gen("P3", P3, salt=P3_SALT)]},
         {"name": "producer", "connector": over_tcp, "kv_role": "kv_producer", "steps": [
             prefill("P1", P1), prefill("P1b", P1),        # two handoffs of one prefix
-            prefill("P2", P2, P2_SALT), prefill("P3", P3, P3_SALT), prefill("P4", P4),
+            prefill("P2", P2, P2_SALT), prefill("P3", P3, P3_SALT), prefill("P4", P4, P4_SALT),
+            prefill("P6", P6),
             {"op": "abort", "id": "P5", "tokens": P5, "kv": PREFILL},
             gen("plain_request", P2, salt=P2_SALT, max_tokens=1, logprobs=False)]},
         {"name": "producer_redis", "connector": over_redis, "kv_role": "kv_producer", "steps": [
@@ -132,9 +135,11 @@ def runs(tmp_path_factory):
                         script=RUNNER.replace('tiny_model.save_model_dir(spec["model"])', ""))
         side_p.wait_for_engine("producer", 600)
         out["pins_produced"] = tenant_pins(daemon)
+        out["tiers_produced"] = daemon.tier_stats()
         produced.touch()
         side_c.wait_for_engine("consumer", 600)
         out["pins_consumed"] = tenant_pins(daemon)
+        out["tiers_consumed"] = daemon.tier_stats()
         expires = side_p.results()["producer"]["P4"]["kv"]["kvstore_handoff"]["expires"]
         while time.time() < expires + 1.0:       # P4's consumer never came: its lease runs out
             time.sleep(0.5)
@@ -228,10 +233,21 @@ def test_a_load_torn_after_the_lookup_recomputes_and_the_retry_loads(runs):
 
 
 def test_leases_are_held_released_by_the_consumer_and_expire(runs):
-    # P1 and P1b lease the same 6 records; P5 was aborted: nothing of it leased
-    assert runs["pins_produced"] == 6 + 4 + 4 + 3
+    # P1 and P1b lease the same 6 records, each under its own id (a pin per key and
+    # holder); P5 was aborted: nothing of it leased; P6 was past its salt's budget
+    assert runs["pins_produced"] == 6 + 6 + 4 + 4 + 3
+    # each consumer released its own handoff's lease only: P1's release left
+    # P1b's until P1b's consumer came; the forged and refused ones released nothing
     assert runs["pins_consumed"] == 3                 # P4's consumer never came
     assert runs["pins_expired"] == 0
+
+
+def test_a_producer_never_loads_and_a_consumer_never_saves(runs):
+    produced, consumed = runs["tiers_produced"]["dram"], runs["tiers_consumed"]["dram"]
+    assert produced["hits"] == 0                      # P1b, a repeat, was not loaded from the daemon
+    assert produced["puts"] > 0
+    assert consumed["puts"] == produced["puts"]       # the consumer recomputed tails and mismatches: saved none
+    assert consumed["hits"] > 0
 
 
 def test_redis_handoff(runs):

@@ -26,6 +26,7 @@ from kvstore.keys import block_keys
 from kvstore.outcomes import PutOutcome
 from kvstore.tiers.redis.config import RedisConfig
 from tests.daemon.test_daemon_isolation import (
+    BB,
     IDENT,
     TOK_EVE,
     TOK_VICTIM,
@@ -385,3 +386,54 @@ def test_lookups_of_another_tenant_at_the_key_limit_hold_a_ping_up_briefly(tmp_p
             flood.kill()
             flood.wait(10)
         d.close()
+
+
+def test_pins_have_holders_one_releases_only_its_own(tmp_path):
+    """Two handoffs sharing a prefix pinned it under their ids; the first
+    consumer's release unpinned the other's blocks too (one expiry per key),
+    and anyone naming a handoff could. Now a key stays pinned while any
+    holder's pin lives, and an unpin drops one holder's pin only."""
+    d = Served(tmp_path, TOK_VICTIM, config=config(tmp_path, store={"dram": {"capacity_bytes": 16 * BB},
+                                                                    "nvme": None})).start()
+    try:
+        with d.client(TOK_EVE) as eve:
+            shared, blocks = blocks_for(1, n=4)
+            assert eve.put(IDENT, shared, blocks) == [PutOutcome.STORED] * 4
+            eve.pin(shared, 60.0, "handoff-a")
+            eve.pin(shared, 60.0, "handoff-b")
+            assert eve.stats()["tenant"]["pins"] == 8          # counted per key and holder
+            eve.unpin(shared, "handoff-a")                     # a's consumer is done
+            eve.unpin(shared, "forged")                        # names nobody's pin: nothing
+            eve.unpin(shared)                                  # the plain pin: none was taken
+            assert eve.stats()["tenant"]["pins"] == 4
+            for seed in range(10, 16):                         # 24 other blocks through a 16-block DRAM
+                keys, more = blocks_for(seed, n=4)
+                eve.put(IDENT, keys, more)
+            assert eve.lookup(shared, probe=True).prefix_blocks == 4   # b's lease kept them
+            eve.unpin(shared, "handoff-b")
+            for seed in range(20, 26):
+                keys, more = blocks_for(seed, n=4)
+                eve.put(IDENT, keys, more)
+            assert eve.lookup(shared, probe=True).prefix_blocks == 0   # nobody's lease: evicted like any block
+            with pytest.raises(Exception, match="holder must be"):
+                eve.pin(shared, 5.0, "x" * 65)
+    finally:
+        d.close()
+
+
+def test_leases_unit_holders_and_expiry():
+    from kvstore.store.leases import Leases
+    now = [0.0]
+    leases = Leases(lambda: now[0])
+    k = b"k" * 32
+    leases.pin([k], 10.0, "a")
+    leases.pin([k], 5.0, "b")
+    leases.unpin([k], "a")
+    assert leases.is_pinned(k)            # b's lives
+    now[0] = 6.0
+    assert not leases.is_pinned(k)        # b's expired, a's released
+    leases.pin([k], 10.0, "a")
+    leases.pin([k], 1.0)
+    now[0] = 8.0
+    leases.pin([b"j" * 32], 1.0)           # sweeps: the plain pin of k expired, a's lives
+    assert leases.is_pinned(k) and len(leases) == 2

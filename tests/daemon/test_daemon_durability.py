@@ -121,7 +121,8 @@ def test_a_full_disk_answers_no_space_and_loses_nothing_acknowledged(tmp_path):
     try:
         cfg = config(tmp_path, store={"nvme": {"path": str(ns.path / "nvme"), "capacity_bytes": "256MiB",
                                                # more than the 48 MiB disk on purpose: not refused at start
-                                               "check_free_space": False, "durability": "fsync"}, "dram": {"capacity_bytes": "8MiB"}})
+                                               "check_free_space": False, "durability": "fsync"},
+                                      "dram": {"capacity_bytes": "8MiB"}})
         d = Served(tmp_path, TOK_VICTIM, config=cfg, prefix=ns.prefix).start()
         try:
             acked = put_until(d, TOK_VICTIM, 1400, 16)
