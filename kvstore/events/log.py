@@ -26,7 +26,9 @@ time, for a replay that cannot be served from the buffer.
 
 Threading: ``watch`` and the sealing run on the store's event-loop thread
 (``watch`` is O(1): a list append); ``take`` runs on the publisher's thread;
-``snapshot`` may be called from any thread, and is taken on the loop.
+``snapshot`` may be called from any thread, and is taken on the loop (one
+pass over the planner's keys; the publisher spaces them by at least 20 times
+the last one's duration, ``last_walk_s``).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ class EventLog:
         self.closed = False
         self.dropped = 0          # batches dropped (the queue was full)
         self.dropped_hashes = 0   # block hashes in them
+        self.last_walk_s = 0.0    # how long the last snapshot held the store's loop
 
     # -- the loop's side -----------------------------------------------------------
     def attach(self, beliefs: Beliefs, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -145,10 +148,24 @@ class EventLog:
         return seq
 
     def _snapshot_events(self) -> list:
+        """``AllBlocksCleared`` and what each tier holds: one pass over the
+        planner's keys (each key's ``resident`` mask names its tiers)."""
         assert self._beliefs is not None
+        by_mask: dict[int, list[Any]] = {}     # keys grouped by the tiers that hold them
+        for key, st in self._beliefs.keys.items():
+            mask = st.resident
+            if mask:
+                group = by_mask.get(mask)
+                if group is None:
+                    group = by_mask[mask] = []
+                group.append(key)
+        held: list[list[Any]] = [[] for _ in self.media]
+        for mask, group in by_mask.items():
+            for t, keys in enumerate(held):
+                if mask >> t & 1:
+                    keys.extend(group)
         events: list = [AllBlocksCleared()]
-        for t, medium in enumerate(self.media):
-            keys = self._beliefs.keys_in(t)
+        for keys, medium in zip(held, self.media):
             for i in range(0, len(keys), SNAPSHOT_HASHES):
                 events.append(stored(keys[i:i + SNAPSHOT_HASHES], medium, self.block_size))
         return events
@@ -156,7 +173,10 @@ class EventLog:
     def _snapshot_now(self) -> Sealed:
         """On the loop: seal what is open, then the picture as of that batch."""
         self._seal()
-        return self._seq - 1, KVEventBatch(ts=time.time(), events=self._snapshot_events())
+        began = time.perf_counter()
+        events = self._snapshot_events()
+        self.last_walk_s = time.perf_counter() - began
+        return self._seq - 1, KVEventBatch(ts=time.time(), events=events)
 
     def close(self) -> None:
         """End the stream with ``AllBlocksCleared`` (after what is open); on the loop."""

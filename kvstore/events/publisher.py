@@ -19,11 +19,32 @@ last batch it includes, then the buffered batches after it. A subscriber
 that applies what it is sent in order, as it would vLLM's, so rebuilds
 exactly what the store holds however late it joined or far it lagged.
 
-Bounds: ``buffer_steps`` batches kept for replay, the PUB socket's
-``hwm`` (a subscriber that does not read loses messages past it, sees the
-gap in the sequence numbers and replays), and the event log's queue
-(:mod:`kvstore.events.log`). The publisher runs on a thread of its own; the
-store never waits for it.
+The end marker always means "that is all" (vLLM's meaning). A snapshot is
+a walk of every key on the store's loop, so a new one is made at most once
+per ``max(SNAPSHOT_INTERVAL_S, SNAPSHOT_WALK_FACTOR x the last walk's
+duration)``; a replay that needs one sooner is *held* (at most
+``MAX_HELD_REPLAYS`` clients; a client's second request replaces its first;
+past the cap a request is not answered and the client's timeout asks again)
+and answered, with every other held one, from the next snapshot.
+
+Bounds, in memory and in work:
+
+* replay: at most ``MAX_REPLAY_BATCHES`` (1000) batches are kept and sent
+  in one replay (``buffer_steps`` past it buys nothing); a start older than
+  that is answered with a snapshot and the batches after it. The ROUTER
+  queues at most ``MAX_REPLAY_BATCHES + 2`` messages per client (a batch is
+  at most ``BATCH_HASHES`` hashes, about 9 KiB: about 9 MiB per client that
+  does not read), plus the snapshot, whose payload ZeroMQ shares between
+  the clients it is sent to (pyzmq sends large frames without copying);
+  past the mark ZeroMQ drops the rest of that client's answer and it asks
+  again. Requests wait in ZeroMQ (``_REQUESTS_HWM`` per client) and at most
+  ``max_replays_per_s`` are served a second, all clients together.
+* live: the PUB socket's ``hwm`` per subscriber (a subscriber that does not
+  read loses messages past it, sees the gap and replays), at most ``hwm``
+  times a batch's size each; and the event log's queue
+  (:mod:`kvstore.events.log`).
+
+The publisher runs on a thread of its own; the store never waits for it.
 """
 from __future__ import annotations
 
@@ -36,7 +57,7 @@ from typing import Any
 import zmq
 
 from kvstore.errors import ConfigError
-from kvstore.events.format import encode
+from kvstore.events.format import AllBlocksCleared, KVEventBatch, encode
 from kvstore.events.log import EventLog
 
 log = logging.getLogger("kvstore.events")
@@ -44,7 +65,13 @@ log = logging.getLogger("kvstore.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 _POLL_S = 0.05           # how long the thread waits for a batch before looking for replay requests
-SNAPSHOT_INTERVAL_S = 1.0   # at most one new snapshot (a walk of every key, on the store's loop) per this
+SNAPSHOT_INTERVAL_S = 1.0   # at most one new snapshot (a walk of every key, on the store's loop) per this,
+SNAPSHOT_WALK_FACTOR = 20   # and per this many times the last walk's duration: the loop's share <= 1/20
+MAX_REPLAY_BATCHES = 1000   # buffered batches one replay sends at most (older: a snapshot first)
+MAX_HELD_REPLAYS = 64       # clients waiting for the next snapshot, at most
+MAX_REPLAYS_PER_S = 50.0    # replay requests served per second, all clients together
+_REQUESTS_HWM = 4           # replay requests queued in ZeroMQ per client
+_REPLAYS_PER_TURN = 4       # served per turn of the thread's loop, so publishing keeps up
 
 
 class EndpointUnusable(ConfigError):
@@ -77,10 +104,20 @@ class EventPublisher:
     socket was bound (else connected)."""
 
     def __init__(self, events: EventLog, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000, max_replay_batches: int = MAX_REPLAY_BATCHES,
+                 max_held_replays: int = MAX_HELD_REPLAYS, max_replays_per_s: float = MAX_REPLAYS_PER_S) -> None:
+        for name, value in (("buffer_steps", buffer_steps), ("max_replay_batches", max_replay_batches),
+                            ("max_held_replays", max_held_replays)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"kv events: {name} must be a count >= 1, got {value!r}")
+        if isinstance(max_replays_per_s, bool) or not isinstance(max_replays_per_s, (int, float)) \
+                or not max_replays_per_s > 0:
+            raise ConfigError(f"kv events: max_replays_per_s must be > 0, got {max_replays_per_s!r}")
         self.log = events
         self.topic = topic.encode()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # a replay sends the whole buffer at most: one longer than a replay may send serves nothing
+        self.max_replay_batches = min(buffer_steps, max_replay_batches)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.max_replay_batches)
         self._ctx = zmq.Context()
         self._pub: zmq.Socket = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -91,8 +128,10 @@ class EventPublisher:
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                # room for one whole replay per client (past it ZeroMQ drops that client's replies)
-                self._replay.set_hwm(buffer_steps + 2)
+                # room for one whole replay per client (the snapshot, the batches, the end marker);
+                # past it ZeroMQ drops that client's replies and it asks again
+                self._replay.setsockopt(zmq.SNDHWM, self.max_replay_batches + 2)
+                self._replay.setsockopt(zmq.RCVHWM, _REQUESTS_HWM)
                 self.replay_endpoint = _open(self._replay, "replay_endpoint", check_endpoint(replay_endpoint),
                                              bind=True)
         except BaseException:
@@ -101,10 +140,16 @@ class EventPublisher:
         self.published = 0        # batches sent on the PUB socket
         self.replays = 0          # replay requests answered
         self.snapshots = 0        # of them, answered with a snapshot first
+        self.snapshots_made = 0   # walks of every key (on the store's loop) for them
         self._last_sent = -1
-        self._snapshot: tuple[int, bytes] | None = None   # the last one made (see _snapshot_after)
-        self._snapshot_at = -SNAPSHOT_INTERVAL_S          # when it was made (monotonic)
-        self.snapshots_deferred = 0   # replays that needed a new snapshot within SNAPSHOT_INTERVAL_S
+        self._snapshot: tuple[int, bytes] | None = None   # the last one made (see _reusable_snapshot)
+        self._next_snapshot_at = 0.0      # monotonic: when a new one may be made
+        self._held: dict[bytes, int] = {}  # client -> start: replays waiting for the next snapshot
+        self._rate = float(max_replays_per_s)
+        self._max_held = max_held_replays
+        self._tokens, self._tokens_at = self._rate, time.monotonic()
+        self.replays_held = 0       # replay requests held for the next snapshot
+        self.replays_refused = 0    # not answered: MAX_HELD_REPLAYS others were held already
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
@@ -116,9 +161,9 @@ class EventPublisher:
     # -- the thread -------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._replay is not None and self._replay.poll(0):
+            if self._replay is not None:
                 try:
-                    self._serve_replay()
+                    self._serve_replays()
                 except Exception:   # noqa: BLE001 - a bad request must not end the stream
                     log.exception("kv events: replay failed")
             item = self.log.take(_POLL_S)
@@ -138,6 +183,25 @@ class EventPublisher:
             self._last_sent = seq
             self._buffer.append((seq, payload))
 
+    def _serve_replays(self) -> None:
+        """Answer the held replays once a snapshot may be made, then new
+        requests as the rate allows (the rest wait in ZeroMQ)."""
+        assert self._replay is not None
+        if self._held and time.monotonic() >= self._next_snapshot_at:
+            snap = self._new_snapshot()
+            if snap is not None:
+                held, self._held = self._held, {}
+                for client in held:
+                    self._answer_from(client, snap)
+        now = time.monotonic()
+        self._tokens = min(self._rate, self._tokens + (now - self._tokens_at) * self._rate)
+        self._tokens_at = now
+        for _ in range(_REPLAYS_PER_TURN):
+            if self._tokens < 1 or not self._replay.poll(0):
+                return
+            self._tokens -= 1
+            self._serve_replay()
+
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
@@ -150,37 +214,62 @@ class EventPublisher:
         kept = [(seq, payload) for seq, payload in self._buffer if seq >= start]
         whole = start > self._last_sent or (kept[0][0] == start and kept[-1][0] - start == len(kept) - 1
                                             if kept else False)
-        if not whole:
-            snap = self._snapshot_after()
-            if snap is None:       # none to be had now: the subscriber asks again
-                kept = []
-            else:
-                self.snapshots += 1
-                seq, payload = snap
+        if whole:
+            for seq, payload in kept:
                 self._send(client, seq, payload)
-                kept = [(s, p) for s, p in self._buffer if s > seq]
-        for seq, payload in kept:
-            self._send(client, seq, payload)
-        self.replays += 1
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            self._end(client)
+            return
+        snap = self._reusable_snapshot()
+        if snap is not None:
+            self._answer_from(client, snap)
+        elif client in self._held or len(self._held) < self._max_held:
+            self._held[client] = start      # a second request replaces the first: one answer
+            self.replays_held += 1
+        else:
+            self.replays_refused += 1       # its timeout asks again; memory stays bounded
+            log.debug("kv events: %d replays wait for a snapshot already; one more ignored", len(self._held))
 
-    def _snapshot_after(self) -> tuple[int, bytes] | None:
-        """A snapshot's (seq, payload). One made before is the picture as of
-        its batch exactly, so it serves while the buffer holds every batch
-        sent after it (the replay sends those next). A new one walks every
-        key the store holds on the store's loop, so at most one is made per
-        ``SNAPSHOT_INTERVAL_S``: within it a replay that needs one is
-        answered with the end marker alone (the subscriber asks again), so
-        subscribers asking for replays cannot stall the store."""
+    def _answer_from(self, client: bytes, snap: tuple[int, bytes]) -> None:
+        """A snapshot, the buffered batches after it, the end marker."""
+        seq, payload = snap
+        self.snapshots += 1
+        self._send(client, seq, payload)
+        for s, p in self._buffer:
+            if s > seq:
+                self._send(client, s, p)
+        self._end(client)
+
+    def _end(self, client: bytes) -> None:
+        assert self._replay is not None
+        self.replays += 1
+        try:
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _reusable_snapshot(self) -> tuple[int, bytes] | None:
+        """The last snapshot made, while the buffer holds every batch sent
+        after it (a replay sends those next): it is then the picture as of
+        its batch exactly. None: a new one is needed."""
         snap = self._snapshot
-        if snap is not None and self._continues(snap[0]):
-            return snap
-        now = time.monotonic()
-        if now - self._snapshot_at < SNAPSHOT_INTERVAL_S:
-            self.snapshots_deferred += 1
-            return None
-        self._snapshot_at = now
-        made = self.log.snapshot(stop=self._stop)
+        return snap if snap is not None and self._continues(snap[0]) else None
+
+    def _new_snapshot(self) -> tuple[int, bytes] | None:
+        """A new snapshot, taken on the store's loop; the next one may be made
+        no sooner than SNAPSHOT_INTERVAL_S, nor than SNAPSHOT_WALK_FACTOR
+        times this walk's duration from now, so replays cannot take more
+        than a small share of the store's loop however large it is."""
+        if self.log.closed:
+            if not self.log.drained:
+                return None   # the stream's last batches first: the picture is as of the last
+            # a closed store holds nothing: its stream ended with AllBlocksCleared
+            made: tuple[int, KVEventBatch] | None = (self._last_sent,
+                                                     KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        else:
+            made = self.log.snapshot(stop=self._stop)
+            self.snapshots_made += made is not None
+        self._next_snapshot_at = time.monotonic() + max(SNAPSHOT_INTERVAL_S,
+                                                        SNAPSHOT_WALK_FACTOR * self.log.last_walk_s)
         if made is None:
             return None
         self._snapshot = (made[0], encode(made[1]))
@@ -242,13 +331,16 @@ def _open(sock: zmq.Socket, setting: str, endpoint: str, *, bind: bool) -> str:
 
 def publish(store: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
             buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 1000,
-            block_size: int = 0) -> EventPublisher:
+            block_size: int = 0, max_replay_batches: int = MAX_REPLAY_BATCHES,
+            max_held_replays: int = MAX_HELD_REPLAYS, max_replays_per_s: float = MAX_REPLAYS_PER_S,
+            ) -> EventPublisher:
     """Publish a :class:`~kvstore.store.tiered.TieredStore`'s KV events: a log
     attached to it (on its loop) and a publisher of it. Close the publisher
     after the store (the store's close ends the stream)."""
     events = EventLog(store.names, block_size=block_size, max_queue=max_queue)
     publisher = EventPublisher(events, endpoint, replay_endpoint=replay_endpoint, topic=topic,
-                               buffer_steps=buffer_steps, hwm=hwm)
+                               buffer_steps=buffer_steps, hwm=hwm, max_replay_batches=max_replay_batches,
+                               max_held_replays=max_held_replays, max_replays_per_s=max_replays_per_s)
     try:
         store.attach_events(events)
     except BaseException:

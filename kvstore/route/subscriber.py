@@ -26,7 +26,16 @@ index in sequence order, and never applies a batch twice or out of order:
   candidate, until the link is back and the resync done;
 * every ``catchup_s`` of silence the replay is asked from ``last + 1``:
   a batch lost while the SUB was still subscribing, with none after it to
-  show the gap, is found within that time.
+  show the gap, is found within that time;
+* a replay whose answer ends short of the live stream's next number (an
+  older kvstore publisher answered "ask again" with the end marker alone)
+  is asked again after a backoff (``REASK_BACKOFF_S``, doubling, up to
+  ``MAX_REASKS`` times) while the live batches keep waiting, rather than
+  building the replica's picture on a hole; only then is the rest counted
+  lost;
+* with nothing applied yet (no replay socket, or none of the replays
+  brought anything), the first live number is the stream's start: kvstore
+  numbers from its start time in microseconds, vLLM from 0.
 
 Memory is bounded: ZMQ's receive high-water mark bounds what waits in the
 socket, at most ``max_pending`` live batches wait for a replay (beyond that
@@ -61,6 +70,10 @@ END_SEQ = -1
 MAX_PENDING = 10_000
 RCV_HWM = 100_000
 HEARTBEAT_MS = 2000
+#: a replay that leaves the subscriber behind is asked again after this (doubling each time), at most
+#: MAX_REASKS times (0.5 + 1 + ... + 16 s: past the longest a kvstore publisher holds a replay)
+REASK_BACKOFF_S = 0.5
+MAX_REASKS = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +132,7 @@ class Subscriber:
 
     def __init__(self, spec: ReplicaSpec, index: PrefixIndex, lock: threading.Lock, *,
                  context: zmq.Context | None = None, max_pending: int = MAX_PENDING,
-                 replay_timeout_s: float = 5.0, catchup_s: float = 5.0,
+                 replay_timeout_s: float = 30.0, catchup_s: float = 5.0,
                  on_batch: Callable[[str, int], None] | None = None) -> None:
         self.spec = spec
         self.index = index
@@ -144,6 +157,8 @@ class Subscriber:
         self._last_seen = time.monotonic()
         self._ever_connected = False
         self._live_last: int | None = None   # the last seq the live stream brought
+        self._reask_at: float | None = None  # when to ask again for a replay that left it behind
+        self._reasks = 0                     # such re-asks in a row
 
     # -- control -------------------------------------------------------------------
     def start(self) -> Subscriber:
@@ -213,9 +228,10 @@ class Subscriber:
             # gone (or restarting): no candidate until it is back, and then resynced from nothing
             self._close_dealer(poller)
             self._pending.clear()
+            self._reask_at, self._reasks = None, 0
             self._live_last = None
             with self.lock:
-                self._status.connected = False
+                self._status.connected = self._status.replaying = False
                 self._status.last_seq = None
                 self.index.forget(self.spec.name)
 
@@ -243,13 +259,13 @@ class Subscriber:
                 self._request(0, resync=True, poller=poller)
                 self._hold(seq, batch)
                 return
-        if self._dealer is not None:     # a replay is under way: its batches come first
+        if self._dealer is not None or self._reask_at is not None:   # a replay's batches come first
             self._hold(seq, batch)
             return
         last = self._status.last_seq
         expected = 0 if last is None else last + 1
-        if seq == expected:
-            self._apply(seq, batch)
+        if seq == expected or (last is None and self.spec.replay is None):
+            self._apply(seq, batch)      # (with nothing before it and no replay, the stream starts here)
         elif seq < expected:
             pass                         # a replay brought it before the live stream did
         else:
@@ -294,11 +310,15 @@ class Subscriber:
                 self.index.cleared(self.spec.name)
                 self._status.last_seq = None
         self._close_dealer(poller)
-        self._drain(poller, ask_again=self._replay_got)
+        if self._replay_got:
+            self._reasks = 0
+        self._drain(poller, progressed=self._replay_got)
 
-    def _drain(self, poller: zmq.Poller, *, ask_again: bool) -> None:
-        """Apply the live batches held during a replay; a gap left is asked
-        for again when ``ask_again`` (the replay made progress), else lost."""
+    def _drain(self, poller: zmq.Poller, *, progressed: bool, may_reask: bool = True) -> None:
+        """Apply the live batches held during a replay. A gap left is asked
+        for again: at once when the replay made ``progressed``, else after a
+        backoff (``MAX_REASKS`` times, when ``may_reask``); past that it is
+        lost (with nothing applied yet, the first batch held is the start)."""
         pending, self._pending = self._pending, collections.deque()
         last = self._status.last_seq
         for i, (seq, batch) in enumerate(pending):
@@ -306,17 +326,35 @@ class Subscriber:
                 continue                 # the replay brought it
             expected = 0 if last is None else last + 1
             if seq > expected:
-                if ask_again:            # still short: ask again from where this replay stopped
+                if progressed or (may_reask and self._reasks < MAX_REASKS):
+                    # still short: ask again from where this replay stopped, the live batches held
                     self._pending = collections.deque(list(pending)[i:])
-                    self._request(expected, resync=False, poller=poller)
+                    if progressed:
+                        self._request(expected, resync=False, poller=poller)
+                    else:
+                        self._reask_at = time.monotonic() + REASK_BACKOFF_S * 2 ** self._reasks
+                        self._reasks += 1
+                        with self.lock:
+                            self._status.replaying = True   # the picture is not current until it is asked
                     return
-                self._lose(seq - expected)   # the replay had nothing more: those are gone
+                if last is not None:
+                    self._lose(seq - expected)   # the replays had nothing more: those are gone
+                else:
+                    log.warning("replica %s: its replay brought nothing; its stream is taken to start at %d",
+                                self.spec.name, seq)
             self._apply(seq, batch)
             last = seq
+        self._reasks = 0
 
     def _timers(self, poller: zmq.Poller) -> None:
         now = time.monotonic()
-        if self._dealer is not None and now - self._replay_sent > self.replay_timeout_s:
+        if self._reask_at is not None:
+            if now >= self._reask_at:
+                last = self._status.last_seq
+                # with nothing applied yet the replica is rebuilt from nothing, as on a resync
+                self._request(0 if last is None else last + 1, resync=last is None, poller=poller,
+                              again=True)
+        elif self._dealer is not None and now - self._replay_sent > self.replay_timeout_s:
             # unanswered: the replica may be down or restarted. A fresh socket
             # drops any late answer to the old request.
             asked, resync, got = self._asked, self._resync, self._replay_got
@@ -332,18 +370,23 @@ class Subscriber:
                 with self.lock:
                     self.index.cleared(self.spec.name)
                     self._status.last_seq = None
-            self._drain(poller, ask_again=False)
+            self._drain(poller, progressed=False, may_reask=False)
         elif self._dealer is None and self.catchup_s and now - self._last_seen > self.catchup_s:
             self._catch_up(poller)
 
     # -- steps ---------------------------------------------------------------------
     def _catch_up(self, poller: zmq.Poller) -> None:
         self._last_seen = time.monotonic()
-        if self._dealer is None and self.spec.replay is not None:
+        if self._dealer is None and self._reask_at is None and self.spec.replay is not None:
             last = self._status.last_seq
             self._request(0 if last is None else last + 1, resync=False, poller=poller)
 
-    def _request(self, start: int, *, resync: bool, poller: zmq.Poller, retry: bool = False) -> None:
+    def _request(self, start: int, *, resync: bool, poller: zmq.Poller, retry: bool = False,
+                 again: bool = False) -> None:
+        """Ask for a replay from ``start`` (``resync``: it rebuilds the replica
+        from nothing); ``retry``: after a timeout, ``again``: after a short
+        answer (neither counts another resync)."""
+        self._reask_at = None
         if self.spec.replay is None:
             if resync:
                 with self.lock:
@@ -364,7 +407,7 @@ class Subscriber:
         self._replay_sent = time.monotonic()
         with self.lock:
             self._status.replays += 1
-            self._status.resyncs += resync
+            self._status.resyncs += resync and not (retry or again)
             self._status.replaying = True
 
     def _close_dealer(self, poller: zmq.Poller) -> None:

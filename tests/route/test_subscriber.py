@@ -90,10 +90,15 @@ class Publisher:
     leaves a batch out of the live stream (it stays in the replay buffer),
     ``buffer_steps`` bounds the buffer, ``snapshot`` answers a start older
     than the buffer as kvstore's publisher does (AllBlocksCleared and every
-    block held, under the last seq), else as vLLM does (from the oldest kept)."""
+    block held, under the last seq), else as vLLM does (from the oldest kept);
+    ``short_answers``: the first so many replays are answered with the end
+    marker alone, a live batch published just before it (an older kvstore's
+    "ask again"); ``first_seq``: the stream's first number (kvstore's is its
+    start time in microseconds)."""
 
     def __init__(self, topic: str = "kv", *, buffer_steps: int = 10_000, snapshot: bool = False,
-                 ports: tuple[int, int] | None = None) -> None:
+                 ports: tuple[int, int] | None = None, short_answers: int = 0, first_seq: int = 0,
+                 live: Workload | None = None) -> None:
         ctx = zmq.Context.instance()
         self.topic = topic.encode()
         self.pub = ctx.socket(zmq.PUB)
@@ -109,8 +114,9 @@ class Publisher:
             _bind_again(self.router, f"tcp://127.0.0.1:{ports[1]}")
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self.snapshot = snapshot
+        self.short_answers, self.live = short_answers, live
         self.truth = Holdings()
-        self.seq = 0
+        self.seq = first_seq
         self.replays = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -137,6 +143,14 @@ class Publisher:
                 continue
             client, _, start_bytes = self.router.recv_multipart()
             start = int.from_bytes(start_bytes, "big")
+            if self.short_answers:
+                self.short_answers -= 1
+                with self._lock:
+                    self.replays += 1
+                if self.live is not None:
+                    self.publish(self.live.batch(clear_p=0))
+                self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+                continue
             with self._lock:
                 self.replays += 1
                 items = [(seq, payload) for seq, payload in self.buffer if seq >= start]
@@ -236,6 +250,50 @@ def test_vllm_style_buffer_overrun_is_counted_lost(subscribed):
         sub, _, _ = subscribed(pub.spec("a"), catchup_s=0.5)
         wait_for(lambda: sub.status().last_seq == pub.seq - 1, "the replay")
         assert sub.status().lost == 12
+    finally:
+        pub.close()
+
+
+def test_a_replay_answered_short_is_asked_again_not_taken_as_the_picture(subscribed):
+    """The end marker alone while live batches wait past it (an older kvstore
+    publisher's "ask again"): the subscriber asks again after a backoff and
+    gets the whole history, instead of building on a hole and counting the
+    stream's 1.8e15 first number as lost."""
+    work = Workload(8)
+    first = time.time_ns() // 1000
+    pub = Publisher(short_answers=2, first_seq=first, live=work)
+    try:
+        pub.publish([AllBlocksCleared()])      # kvstore's stream starts with a snapshot
+        for _ in range(40):
+            pub.publish(work.batch(clear_p=0))
+        sub, index, lock = subscribed(pub.spec("a"), catchup_s=0)
+        wait_for(lambda: pub.short_answers == 0 and sub.status().last_seq == pub.seq - 1, "the third replay")
+        assert pub.truth.matches(index, "a", lock)
+        st = sub.status()
+        assert st.lost == 0 and st.bad == 0 and st.replays >= 3
+        assert st.batches == pub.seq - first    # each applied once, none built on the hole
+    finally:
+        pub.close()
+
+
+def test_without_a_replay_socket_the_first_number_is_the_start(subscribed):
+    """kvstore numbers its stream from its start time in microseconds: a
+    replica without a replay socket loses nothing when the first batch
+    heard is the stream's first."""
+    pub = Publisher(first_seq=time.time_ns() // 1000)
+    try:
+        spec = pub.spec("a")
+        sub, index, lock = subscribed(ReplicaSpec(spec.name, spec.live, None, spec.topic), catchup_s=0)
+        wait_for(lambda: sub.status().connected, "the live link")
+        work = Workload(9)
+        while sub.status().last_seq is None:     # a SUB misses what is sent while it subscribes
+            pub.publish(work.batch(clear_p=0))
+            time.sleep(0.01)
+        for _ in range(20):
+            pub.publish(work.batch(clear_p=0))
+        wait_for(lambda: sub.status().last_seq == pub.seq - 1, "the live stream")
+        st = sub.status()
+        assert st.lost == 0 and st.gaps == 0 and st.batches >= 20
     finally:
         pub.close()
 
