@@ -126,7 +126,7 @@ class KvEventsConfig(Section):
     endpoint: str | None = None
     replay_endpoint: str | None = None
     topic: Annotated[str, Field(max_length=256)] = ""
-    buffer_steps: Annotated[Count, Field(le=1 << 20)] = 10_000
+    buffer_steps: Annotated[Count, Field(le=1 << 20)] = 1000   # a replay sends at most 1000 (publisher.py)
     hwm: Annotated[Int, Field(ge=0, le=1 << 24)] = 100_000    # 0: no limit (ZeroMQ's meaning)
     max_queue: Annotated[Count, Field(le=1 << 20)] = 1000
 

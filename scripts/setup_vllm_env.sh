@@ -9,8 +9,14 @@
 # test suite on the versions the project declares. The vLLM test
 # (tests/connectors/test_vllm.py) finds this venv and runs its driver in it.
 #
+# The install of this checkout also puts kvstore's vLLM plugin entry point
+# (pyproject.toml, `vllm.general_plugins`) into the venv's metadata: without it
+# vLLM does not know the short connector name "KVStoreConnector". Entry points
+# change only with a reinstall, so a reused venv is reinstalled whenever its
+# metadata no longer matches this checkout's pyproject.toml.
+#
 # Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: .venv-vllm at the repo root)
-# Takes ~5-7 minutes the first time; re-running on a complete venv is a no-op.
+# Takes ~5-7 minutes the first time; re-running on a complete, current venv is a no-op.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +39,31 @@ install_lmcache() {
         "$VENV/bin/pip" install --quiet sortedcontainers aiofiles aiofile nvtx redis
 }
 
+# Whether the venv's kvstore-tiered is this checkout's editable install with
+# the version, scripts and entry points pyproject.toml declares now (the
+# metadata vLLM reads its plugins from). Prints what differs when it is not.
+project_current() {
+    "$VENV/bin/python" -I - "$ROOT" <<'EOF'
+import importlib.metadata as md, json, pathlib, sys, tomllib
+root = pathlib.Path(sys.argv[1]).resolve()
+project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+want = {(g, n, v) for g, eps in project.get("entry-points", {}).items() for n, v in eps.items()}
+want |= {("console_scripts", n, v) for n, v in project.get("scripts", {}).items()}
+try:
+    dist = md.distribution("kvstore-tiered")
+except md.PackageNotFoundError:
+    sys.exit("kvstore-tiered is not installed")
+url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+have = {(e.group, e.name, e.value) for e in dist.entry_points}
+if url != root.as_uri():
+    sys.exit(f"kvstore-tiered is installed from {url or 'an index'}, not {root.as_uri()}")
+if dist.version != project["version"]:
+    sys.exit(f"kvstore-tiered {dist.version} is installed, the checkout is {project['version']}")
+if have != want:
+    sys.exit(f"entry points differ: installed only {sorted(have - want)}, declared only {sorted(want - have)}")
+EOF
+}
+
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvstore" 2>/dev/null \
    && [ -f "$VENV/.kvstore-ready" ]; then
     say "reusing the vLLM venv at $VENV"
@@ -40,7 +71,14 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, kvstore" 2>/
     # an install from an older checkout was named `kvstore` (now kvstore-tiered)
     "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('kvstore')" 2>/dev/null \
         && pip_run "remove the old install named kvstore" "$VENV/bin/pip" uninstall --quiet -y kvstore
-    pip_run "this checkout (editable)" "$VENV/bin/pip" install --quiet --no-deps -e "$ROOT"
+    # reinstalled only when stale: a reinstall rewrites the metadata under any
+    # vLLM process starting meanwhile
+    if why="$(project_current 2>&1)"; then
+        say "this checkout's editable install is current (entry points included)"
+    else
+        say "reinstalling this checkout: $why"
+        pip_run "this checkout (editable)" "$VENV/bin/pip" install --quiet --no-deps -e "$ROOT"
+    fi
     install_lmcache
     say "vLLM venv ready: $VENV"
     exit 0
@@ -60,7 +98,8 @@ pip_run "remove torchvision, torchaudio, torchcodec (venv)" \
     "$VPIP" uninstall --quiet -y torchvision torchaudio torchcodec || true
 pip_run "this checkout (editable) and pytest (venv)" "$VPIP" install --quiet -e "$ROOT" pytest
 install_lmcache
-say "checking the venv imports vllm, kvstore, lmcache"
+say "checking the venv imports vllm, kvstore, lmcache and has kvstore's vLLM plugin"
 "$VENV/bin/python" -c "import vllm, kvstore, lmcache; print('vllm', vllm.__version__)"
+project_current
 touch "$VENV/.kvstore-ready"
 say "vLLM venv ready: $VENV"

@@ -259,6 +259,7 @@ class _ReqState:
     handoff: Handoff | None = None           # the decode leg: the handoff its params carry
     handoff_outcome: Outcome | None = None   # why that handoff cannot be taken, once checked
     loaded_tokens: int = 0                   # tokens vLLM took from the store for it
+    scheduled: bool = False                  # vLLM has scheduled it (a "new" one again is a resume)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -443,6 +444,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             st = self.requests.get(new.req_id)
             if st is None:
                 continue
+            if st.scheduled:      # vLLM 0.34 sends a resumed request as new: all its blocks anew
+                st.saved_upto = 0
+            st.scheduled = True
             st.block_ids = [list(ids) for ids in new.block_ids]
             self._plan(st, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -451,7 +455,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_ids is not None:
+            # vLLM 0.34 removed resumed_req_ids (a resumed request comes as new, above)
+            if req_id in getattr(cached, "resumed_req_ids", ()) and new_ids is not None:
                 st.block_ids = [list(ids) for ids in new_ids]   # a resumed request gets all its blocks anew
                 st.saved_upto = 0
             elif new_ids is not None:

@@ -31,8 +31,10 @@ carried (a prefill leg's answer, as vLLM's proxy forwards it; an engine's
 ``"params_from"`` names another runner's results file to find it in), updated with
 ``"kv_patch"`` (a tampered handoff: ``{"kvstore_handoff": {field: value}}``
 merges into that object). Its output's params come back as ``"kv"``. An
-engine's ``"kv_role"`` is vLLM's (default ``kv_both``). An engine with ``"probe": true`` runs the
-connector's worker side with :class:`KVStoreProbe` mixed in, for ``info``
+engine's ``"kv_role"`` is vLLM's (default ``kv_both``); ``"short_name": true`` leaves
+``kv_connector_module_path`` out of its config (the plugin entry point resolves the
+name). An engine with ``"probe": true`` runs the connector's worker side
+with :class:`KVStoreProbe` mixed in, for ``info``
 (its groups, whether it declined, whether vLLM kept its hybrid KV cache
 manager on), ``invalidate_groups`` (drop the stored records of the
 groups of those kinds for one salt: an eviction of exactly those records),
@@ -212,9 +214,11 @@ def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
 
     kw = {}
     if spec.get("connector") is not None:
+        # short_name: the name alone, resolved by kvstore's vllm.general_plugins entry point
+        path = {} if spec.get("short_name") else {"kv_connector_module_path": "kvstore.connectors.vllm"}
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
-            kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec["connector"])
+            kv_connector="KVStoreConnector", kv_role=spec.get("kv_role", "kv_both"),
+            kv_connector_extra_config=spec["connector"], **path)
     if spec.get("probe"):
         kw["worker_extension_cls"] = "vllm_driver.KVStoreProbe"
     llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=512, max_num_seqs=4,
