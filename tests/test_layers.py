@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # component declares its own section over it, so it is below them all)
     ("core", ("kvstore.__init__", "kvstore.errors", "kvstore.units", "kvstore.identity", "kvstore.keys",
               "kvstore.groups", "kvstore.record", "kvstore.outcomes", "kvstore.stats", "kvstore.settings",
-              "kvstore.gpu", "kvstore.hostmem", "kvstore.schema", "kvstore.private_paths")),
+              "kvstore.gpu", "kvstore.hostmem", "kvstore.schema", "kvstore.private_paths", "kvstore.progress")),
     # one module or package per tier; a tier's config section lives with it
     ("tiers", ("kvstore.tiers",)),
     # eviction orders and placements: they decide, they never touch bytes
@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("kvstore.store",)),
     # the daemon: the store served over a socket, and its client
     # (RemoteStore answers the same Store protocol as the local KVStore)
+    # KV events: the store's residency changes, published (above the store)
+    ("events", ("kvstore.events",)),
     ("daemon", ("kvstore.daemon",)),
     # the ways in: the engine connectors, and open_store
     # (kvstore/store/factory.py), which opens a local store or the daemon's
@@ -61,7 +63,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("frontends", ("kvstore.connectors", "kvstore.store.factory")),
     # replay, tier throughput, workload generators, TTFT in real engines:
     # they drive the store, the daemon and the connectors, nothing drives them
-    ("bench", ("kvstore.bench",)),
+    # routing is driven by the replicas bench and drives its cost model;
+    # the metrics reference documents the daemon's and the connectors' metrics
+    ("bench", ("kvstore.bench", "kvstore.route", "kvstore.daemon.metrics_doc")),
     # the commands, over everything
     ("cli", ("kvstore.cli", "kvstore.__main__")),
 ]

@@ -169,7 +169,9 @@ def _check_all(load: typing.Callable[[Leaf], object]) -> None:
         try:
             load(leaf)
         except ConfigError as exc:
-            if _where(leaf) not in str(exc):
+            # named by its path, or (given through the environment) by its variable
+            var = "$KVSTORE_" + "_".join(str(p) for p in leaf.path[:leaf.in_list or None]).upper()
+            if _where(leaf) not in str(exc) and var not in str(exc):
                 missed.append(f"{_where(leaf)}: error does not name it: {exc}")
             elif leaf.is_float and not leaf.width and "finite" not in str(exc) and "a size" not in str(exc):
                 missed.append(f"{_where(leaf)}: {exc}")
