@@ -48,6 +48,16 @@ def vllm_python() -> str | None:
     return str(cand) if cand.exists() else None
 
 
+def vllm_and_redis() -> str:
+    """The vLLM interpreter, after checking a redis-server exists; else the test skips (a failure under strict mode)."""
+    py = vllm_python()
+    if py is None:
+        pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
+    if redis_server_binary() is None:
+        pytest.skip("no redis-server binary (apt-get install redis-server)")
+    return py
+
+
 def prompt(seed: int, n: int) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(4, VOCAB) for _ in range(n)]
@@ -63,11 +73,7 @@ D = prompt(2, 4 * BS)                    # exactly 4 blocks: all stored, all loa
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    py = vllm_python()
-    if py is None:
-        pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
-    if redis_server_binary() is None:
-        pytest.skip("no redis-server binary (apt-get install redis-server)")
+    py = vllm_and_redis()
     tmp = tmp_path_factory.mktemp("vllm")
     model = tmp / "model"
     subprocess.run([py, str(HERE / "tiny_model.py"), str(model)], check=True, capture_output=True,

@@ -23,9 +23,9 @@ import time
 import pytest
 
 from kvstore.bench.daemon_proc import DaemonProc
-from tests.connectors.test_vllm import BS, prompt, vllm_python
+from tests.connectors.test_vllm import BS, prompt, vllm_and_redis
 from tests.connectors.test_vllm_daemon import RUNNER, Runner
-from tests.redis_server import RedisServer, free_port, redis_server_binary
+from tests.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -68,11 +68,7 @@ def tenant_pins(daemon: DaemonProc) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    py = vllm_python()
-    if py is None:
-        pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
-    if redis_server_binary() is None:
-        pytest.skip("no redis-server binary (apt-get install redis-server)")
+    py = vllm_and_redis()
     tmp = tmp_path_factory.mktemp("vllm_handoff")
     daemon = DaemonProc(tmp / "daemon", TOKEN, store={"dram": {"capacity_bytes": "64MiB"}})
     port = free_port()
