@@ -142,9 +142,15 @@ class KvEventsConfig(Section):
     def _replay_needs_endpoint(self) -> KvEventsConfig:
         if self.replay_endpoint is not None and self.endpoint is None:
             raise ValueError("replay_endpoint needs endpoint (the PUB socket the events go out on)")
-        if self.endpoint is not None and self.endpoint == self.replay_endpoint:
+        # (tcp://*:0 twice is two sockets, each on a port of its own picking)
+        if self.endpoint is not None and self.endpoint == self.replay_endpoint and not _any_port(self.endpoint):
             raise ValueError("endpoint and replay_endpoint must differ")
         return self
+
+
+def _any_port(endpoint: str) -> bool:
+    """A TCP endpoint whose port the system picks (``tcp://*:0``)."""
+    return endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] == "0"
 
 
 class DaemonConfig(Section):

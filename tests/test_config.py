@@ -157,3 +157,15 @@ def test_a_config_file_named_by_the_environment_names_the_variable(tmp_path):
     assert str(info.value) == f"$KVSTORE_CONFIG names {missing}: cannot read it: No such file or directory"
     with pytest.raises(ConfigError, match=rf"^--config {re.escape(str(tmp_path))}: cannot read it"):
         load_config(tmp_path, env={}, path_named="--config")        # a directory, not a file
+
+
+def test_kv_event_endpoints_must_differ_unless_the_system_picks_both_ports():
+    pytest.importorskip("zmq")
+    events = {"endpoint": "ipc:///tmp/kvs-ev", "replay_endpoint": "ipc:///tmp/kvs-ev"}
+    with pytest.raises(ConfigError, match="endpoint and replay_endpoint must differ"):
+        load_config(data={"daemon": {"kv_events": events}})
+    with pytest.raises(ConfigError, match="must differ"):
+        load_config(data={"daemon": {"kv_events": {"endpoint": "tcp://*:5557",
+                                                         "replay_endpoint": "tcp://*:5557"}}})
+    both = load_config(data={"daemon": {"kv_events": {"endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}}})
+    assert both.daemon.kv_events.endpoint == both.daemon.kv_events.replay_endpoint == "tcp://*:0"

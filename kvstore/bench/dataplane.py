@@ -80,6 +80,7 @@ class DataPlaneConfig:
     nvme_path: str | None = None
     redis_url: str | None = None
     hbm: str = "auto"
+    redis_timeout_s: float = 0.5     # one Redis round trip (RedisConfig.socket_timeout_s); past it: unavailable
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "bytes_per_token"):
@@ -208,7 +209,7 @@ def _redis_tier(cfg: DataPlaneConfig, blocks: int, policy: str):
     prefix = f"kvsreplay:{os.getpid()}:{secrets.token_hex(4)}:{policy}:"
     assert cfg.redis_url is not None, "a redis tier needs a URL"
     return RedisTier(RedisConfig(url=cfg.redis_url, capacity_bytes=blocks * (HEADER_BYTES + cfg.block_bytes),
-                                 prefix=prefix))
+                                 prefix=prefix, socket_timeout_s=cfg.redis_timeout_s))
 
 
 async def open_tiers(cfg: DataPlaneConfig, policy: str, names: Sequence[str], workdir: str) -> list:
@@ -438,9 +439,10 @@ class StoreReplayFactory:
 
 def make_data_plane_factory(replay_cfg, *, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
                             nvme_path: str | None = None, redis_url: str | None = None,
-                            hbm: str = "auto") -> StoreReplayFactory:
+                            hbm: str = "auto", redis_timeout_s: float = 0.5) -> StoreReplayFactory:
     """A factory for ``run_replay(..., data_plane_factory=...)`` over the
     tiers and capacities of ``replay_cfg`` (a ``ReplayConfig``)."""
     return StoreReplayFactory(DataPlaneConfig(
         block_tokens=replay_cfg.block_tokens, tier_blocks=tuple(replay_cfg.tiers()),
-        bytes_per_token=bytes_per_token, nvme_path=nvme_path, redis_url=redis_url, hbm=hbm))
+        bytes_per_token=bytes_per_token, nvme_path=nvme_path, redis_url=redis_url, hbm=hbm,
+        redis_timeout_s=redis_timeout_s))

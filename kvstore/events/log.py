@@ -79,7 +79,7 @@ class EventLog:
         self.closed = False
         self.dropped = 0          # batches dropped (the queue was full)
         self.dropped_hashes = 0   # block hashes in them
-        self.last_walk_s = 0.0    # how long the last snapshot held the store's loop
+        self.last_walk_s = 0.0    # the CPU seconds the last snapshot took on the store's loop
 
     # -- the loop's side -----------------------------------------------------------
     def attach(self, beliefs: Beliefs, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -173,9 +173,11 @@ class EventLog:
     def _snapshot_now(self) -> Sealed:
         """On the loop: seal what is open, then the picture as of that batch."""
         self._seal()
-        began = time.perf_counter()
+        # the walk's CPU time, not its wall time: a loaded machine that
+        # deschedules the loop must not stretch the gap to the next snapshot
+        began = time.thread_time()
         events = self._snapshot_events()
-        self.last_walk_s = time.perf_counter() - began
+        self.last_walk_s = time.thread_time() - began
         return self._seq - 1, KVEventBatch(ts=time.time(), events=events)
 
     def close(self) -> None:

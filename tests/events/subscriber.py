@@ -16,9 +16,10 @@ holds per medium, as a router would:
 
 Commands, one JSON array per line on stdin, each answered with one JSON
 line on stdout: ``["connect", ENDPOINT, REPLAY_ENDPOINT, TOPIC, RCVHWM]``
-(a new subscription, knowing nothing), ``["disconnect"]``, ``["dump"]``
-(the picture now: ``{"next": seq, "media": {medium: [hex hashes]}, "gaps",
-"replays", "snapshots", "restarts"}``), ``["pause"]`` (stop reading the SUB
+(a new subscription, knowing nothing), ``["disconnect"]`` (none is fine),
+``["dump"]`` (the picture now: ``{"next": seq, "media": {medium: [hex
+hashes]}, "gaps", "replays", "snapshots", "restarts", "unanswered"}``, the
+last: replays given up after ``REPLAY_ASKS`` asks, the publisher gone), ``["pause"]`` (stop reading the SUB
 socket: messages pile up to the high-water marks and are dropped past
 them), ``["resume"]``. End of input ends it.
 """
@@ -32,19 +33,21 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-REPLAY_WAIT_MS = 20_000
+REPLAY_WAIT_MS = 10_000
+REPLAY_ASKS = 5          # a replay not answered in REPLAY_WAIT_MS is asked again, this many times in all
 
 
 class Picture:
-    def __init__(self, replay: zmq.Socket) -> None:
-        self.replay = replay
+    def __init__(self, ctx: zmq.Context, replay_endpoint: str) -> None:
+        self.ctx, self.replay_endpoint = ctx, replay_endpoint
+        self.replay = self._dealer()
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.media: dict[str, set[bytes]] = {}
         self.next: int | None = None       # the sequence number expected next
         # the last replay's start, until the live stream has moved past what it sent: a batch
         # from it on that is behind is one the replay sent too; any other, a restarted publisher's
         self.overlap: int | None = None
-        self.gaps = self.replays = self.snapshots = self.restarts = 0
+        self.gaps = self.replays = self.snapshots = self.restarts = self.unanswered = 0
 
     def apply(self, seq: int, payload: bytes) -> None:
         batch = self.decoder.decode(payload)
@@ -78,14 +81,32 @@ class Picture:
             self.replay_from(0)
         # else: already applied (the replay overlapped the live stream)
 
+    def _dealer(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.connect(self.replay_endpoint)
+        return sock
+
     def replay_from(self, start: int) -> None:
         self.replays += 1
         self.overlap = start
         self.replay.send_multipart((b"", start.to_bytes(8, "big")))
-        first = True
+        first, asks = True, 1
         while True:
             if not self.replay.poll(REPLAY_WAIT_MS):
-                raise SystemExit(f"no answer to a replay from {start}")
+                # the publisher may hold a replay for its next snapshot, or drop one: ask again, as a
+                # router does, from a new socket (a late answer to the old one goes nowhere)
+                if asks == REPLAY_ASKS or not first:
+                    # the publisher is gone (its test ended it): the picture is unknown until a new
+                    # batch starts another replay; the tests compare pictures, a lost one shows there
+                    print(f"no answer to a replay from {start} ({asks} asks)", file=sys.stderr, flush=True)
+                    self.unanswered += 1
+                    self.next = None
+                    return
+                self.replay.close(linger=0)
+                self.replay = self._dealer()
+                self.replay.send_multipart((b"", start.to_bytes(8, "big")))
+                asks += 1
+                continue
             _, _topic, seq_bytes, payload = self.replay.recv_multipart()
             if seq_bytes == END_SEQ:
                 return
@@ -100,7 +121,7 @@ class Picture:
 
     def dump(self) -> dict:
         return {"next": self.next, "gaps": self.gaps, "replays": self.replays, "snapshots": self.snapshots,
-                "restarts": self.restarts,
+                "restarts": self.restarts, "unanswered": self.unanswered,
                 "media": {m: sorted(h.hex() for h in hs) for m, hs in self.media.items() if hs}}
 
 
@@ -113,9 +134,7 @@ class Connection:
         self.sub.set_hwm(rcvhwm)
         self.sub.connect(endpoint)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        self.replay = ctx.socket(zmq.DEALER)
-        self.replay.connect(replay_endpoint)
-        self.picture = Picture(self.replay)
+        self.picture = Picture(ctx, replay_endpoint)
         self.reading = True
 
     def drain(self) -> None:
@@ -127,7 +146,7 @@ class Connection:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-        self.replay.close(linger=0)
+        self.picture.replay.close(linger=0)
 
 
 def main() -> None:
@@ -138,9 +157,9 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     while True:
         ready = dict(poller.poll())
-        if conn is not None and conn.sub in ready:
-            conn.drain()
-        if sys.stdin.fileno() not in ready:
+        if sys.stdin.fileno() not in ready:      # a command first: "disconnect" must not wait on a replay
+            if conn is not None and conn.sub in ready:
+                conn.drain()
             continue
         line = sys.stdin.readline()
         if not line:
@@ -149,10 +168,11 @@ def main() -> None:
         if command == "connect":
             conn = Connection(ctx, *args)
             poller.register(conn.sub, zmq.POLLIN)
-        elif command == "disconnect" and conn is not None:
-            if conn.reading:
-                poller.unregister(conn.sub)
-            conn.close()
+        elif command == "disconnect":
+            if conn is not None:
+                if conn.reading:
+                    poller.unregister(conn.sub)
+                conn.close()
             conn = None
         elif command == "dump" and conn is not None:
             conn.drain()

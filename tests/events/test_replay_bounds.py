@@ -32,10 +32,10 @@ from tests.events.test_events import IDENT, held, local_store, on_loop, publishi
 DEADLINE_S = 60.0
 
 
-def wait_for(cond: Callable[[], bool], what: str) -> None:
+def wait_for(cond: Callable[[], bool], what: str, detail: Callable[[], object] = lambda: "") -> None:
     end = time.monotonic() + DEADLINE_S
     while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
+        assert time.monotonic() < end, f"timed out waiting for {what} {detail()}"
         time.sleep(0.02)
 
 
@@ -163,16 +163,17 @@ def test_a_full_queue_drops_batches_and_the_gap_replays_to_the_exact_picture(tmp
         assert events.dropped >= 10 - 2 - 1 and events.dropped_hashes >= events.dropped
         gate.set()
         put(kv, IDENT, 100_000, 1)                     # a batch after the hole: the subscriber sees the gap
-        truth = held(lambda: kv.store, run)
 
         def exact() -> bool:
+            truth = held(lambda: kv.store, run)        # asked each time: the store may still be moving blocks
             with lock:
                 got = index.counts("s")
                 keys = {bytes.fromhex(k) for hs in truth.values() for k in hs}
                 media = {(k.hex(), m) for k in keys for m in index.media("s", k)}
             want = {(k, m) for m, hs in truth.items() for k in hs}
             return got == {m: len(hs) for m, hs in truth.items() if hs} and media == want
-        wait_for(lambda: sub.status().last_seq == events.last_seq and exact(), "the exact picture")
+        wait_for(lambda: sub.status().last_seq == events.last_seq and exact(), "the exact picture",
+                 lambda: (sub.status(), events.last_seq, pub.counters(), pub.replays_held))
         st = sub.status()
         assert st.gaps >= 1 and st.lost == 0 and st.bad == 0
         assert pub.snapshots >= 1                      # the dropped batches are gone: a snapshot served it
