@@ -409,8 +409,11 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
 
     if trace is None and Path(DEFAULT_TRACE).is_file():
         trace = DEFAULT_TRACE
+    no_trace = (f"no trace (none given, none at {DEFAULT_TRACE}): only the agent cases run, the Mooncake "
+                "cases do not (--trace FILE; the README says where the trace comes from)")
     if trace is None:
         refuse_unused(ctx, ("limit",), "applies to the trace: give --trace FILE")
+        console.print(no_trace, style="yellow")     # first: the run takes minutes
     try:
         from kvstore.bench.workload import AgentWorkloadConfig  # noqa: PLC0415
         cases = default_cases(trace, agent=AgentWorkloadConfig(duration_s=duration), limit=limit,
@@ -420,7 +423,7 @@ def scorecard(ctx, trace, thresholds, limit, duration, model, gpu_tflops, json_p
                                 command=_command(), progress=status.update)
         print_table(console, render_table(res, wide=wide), wide=wide)
         if trace is None:
-            console.print("no trace: the Mooncake cases did not run (--trace FILE)", style="yellow")
+            console.print(no_trace, style="yellow")
     except KVStoreError as exc:
         _fail(exc)
     if not res["goals_met"]:

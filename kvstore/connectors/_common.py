@@ -38,7 +38,7 @@ from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.policies.base import check_followup
 from kvstore.stats import LATENCY_BUCKETS
 from kvstore.store.driver import followup_of, ops_after, ops_before, send
-from kvstore.store.facade import Store
+from kvstore.store.facade import Store, common_stats
 from kvstore.units import finite
 
 log = logging.getLogger("kvstore.connectors")
@@ -256,7 +256,7 @@ class UnavailableStore:
     pin = unpin = invalidate = report_engine = task_session = _fail
 
     def stats(self) -> dict[str, Any]:
-        return {"unavailable": self.why}
+        return {**common_stats(0, {}), "unavailable": self.why}
 
     def close(self) -> None:
         """Nothing was opened."""

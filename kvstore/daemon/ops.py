@@ -42,6 +42,7 @@ from kvstore.keys import BlockKey, check_key
 from kvstore.outcomes import PutOutcome
 from kvstore.record import BlockSpec
 from kvstore.sessions.ledger import CALLS, MAX_TASK_ID, SessionError
+from kvstore.store.facade import common_stats
 from kvstore.store.leases import check_holder
 from kvstore.store.tiered import MAX_ENGINE_TOKENS
 
@@ -281,16 +282,17 @@ class Handlers:
         return {"dropped": await self.store.ainvalidate(self._identity(conn, ten, meta))}
 
     async def _stats(self, conn: Conn, ten: Tenant, meta: dict, payload: memoryview) -> dict:
-        """The tenant's own row; an admin also gets the store's snapshot (whose
-        per-tenant rows, keyed by salts, are dropped: they would name tenants)."""
-        hits, misses = ten.hits, sum(ten.misses.values())
+        """The STATS_KEYS (kvstore.store.facade): a tenant's own reads, an
+        admin's the store's snapshot (whose per-tenant rows, keyed by salts,
+        are dropped: they would name tenants); and the tenant's own row."""
+        own = common_stats(ten.hits, dict(ten.misses))
         now = self.store.clock()
-        out: dict[str, Any] = {}
         if ten.admin:
             out = self.store.snapshot()
             out.pop("tenants", None)
-        out["tenant"] = {"name": ten.name, "hits": hits, "misses": dict(ten.misses),
-                         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        else:
+            out = dict(own)         # the STATS_KEYS: this tenant's reads, no tier (other tenants' traffic)
+        out["tenant"] = {"name": ten.name, "hits": own["hits"], "misses": own["misses"], "hit_rate": own["hit_rate"],
                          "used_bytes": self.store.owner_bytes(ten.owner), "quota_bytes": ten.quota_bytes,
                          # live pins: an expired one is only forgotten at the next pin past the limit
                          "no_space": ten.no_space, "pins": sum(e > now for e in ten.pins.values()),

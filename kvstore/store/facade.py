@@ -7,6 +7,9 @@ daemon's client) and :class:`kvstore.connectors._common.UnavailableStore`
 :class:`Store`, so a deployment moves between them by configuration alone;
 ``open_store`` returns one. Threading: every method may be called from any
 thread; ``put_async`` and ``prefetch`` return futures.
+
+``stats()`` has one shape on every facade: the keys of :data:`STATS_KEYS`
+always, each facade's own keys beside them (see :func:`common_stats`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.tiered import LookupResult
 
 Consume = Callable[[int, np.ndarray, list[MissReason | None]], None]
+
+STATS_KEYS = ("hit_rate", "hits", "misses", "tiers")
+"""What every facade's ``stats()`` holds, whoever asks:
+
+* ``hit_rate``: ``hits / (hits + misses)`` over block reads (``get``), 0.0 before any;
+* ``hits``: blocks read from the store;
+* ``misses``: ``{reason: blocks}`` for every :class:`MissReason` value (0 when none);
+* ``tiers``: ``{tier name: counters}``, ``{}`` where the caller may not see them.
+
+Whose reads: the in-process store's, all of them; through the daemon, a
+tenant's own (``tiers`` is ``{}``), the admin's, the whole store's (a
+tenant's row is under ``"tenant"`` for both). Beside them: the in-process
+store's and the admin's snapshot keys (``lookups``, ``placement``, ...), the
+daemon's ``tenant`` row, a store that could not be opened's ``unavailable``.
+"""
+
+
+def common_stats(hits: int, misses: dict[str, int], tiers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The :data:`STATS_KEYS` part of a ``stats()`` from its counts."""
+    full = {r.value: int(misses.get(r.value, 0)) for r in MissReason}
+    missed = sum(full.values())
+    return {"hit_rate": hits / (hits + missed) if hits + missed else 0.0, "hits": hits, "misses": full,
+            "tiers": dict(tiers or {})}
 
 
 @runtime_checkable
@@ -65,7 +91,8 @@ class Store(Protocol):
 
     def invalidate(self, identity: CacheIdentity | bytes) -> int: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, Any]:
+        """The :data:`STATS_KEYS`, and the facade's own keys beside them."""
 
     def close(self) -> None: ...
 

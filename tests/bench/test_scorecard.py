@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,16 @@ def test_scorecard_command_writes_the_matrix(tmp_path):
     names = [c["name"] for c in json.loads(out.read_text())["cases"]]
     assert len(names) == 10 and sum(n.startswith("mooncake") for n in names) == 6
     assert "scorecard" in r.stdout
+
+
+@pytest.mark.slow
+def test_scorecard_without_a_trace_says_first_that_only_the_agent_cases_run(tmp_path):
+    out = tmp_path / "card.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "bench", "scorecard", "--duration", "5",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert r.returncode in (0, 1), r.stderr
+    said = "only the agent cases run, the Mooncake cases do not"
+    assert r.stdout.startswith("no trace") and said in r.stdout.splitlines()[0], r.stdout[:400]
+    names = [c["name"] for c in json.loads(out.read_text())["cases"]]
+    assert names and not any(n.startswith("mooncake") for n in names)
