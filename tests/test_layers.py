@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # they drive the store, the daemon and the connectors, nothing drives them
     # routing is driven by the replicas bench and drives its cost model;
     # the metrics reference documents the daemon's and the connectors' metrics
-    ("bench", ("kvstore.bench", "kvstore.route", "kvstore.daemon.metrics_doc")),
+    ("bench", ("kvstore.bench", "kvstore.route", "kvstore.daemon.metrics_doc", "kvstore.sizing")),
     # the commands, over everything
     ("cli", ("kvstore.cli", "kvstore.__main__")),
 ]

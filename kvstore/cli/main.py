@@ -103,12 +103,14 @@ from kvstore.cli.bench import bench  # noqa: E402 - the command groups, each in 
 from kvstore.cli.demo import demo  # noqa: E402
 from kvstore.cli.route import route  # noqa: E402
 from kvstore.cli.serve import serve_command  # noqa: E402
+from kvstore.cli.size import size  # noqa: E402
 from kvstore.cli.top import top  # noqa: E402
 
 main.add_command(bench, "bench")
 main.add_command(demo, "demo")
 main.add_command(route, "route")
 main.add_command(serve_command, "serve")
+main.add_command(size, "size")
 main.add_command(top, "top")
 
 if __name__ == "__main__":
