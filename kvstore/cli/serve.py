@@ -14,11 +14,22 @@ than a second (pre-touching the DRAM arena, scanning the NVMe segments)
 says how far it is, once a second, and how long it took
 (:mod:`kvstore.progress`). The DRAM and NVMe sizes are checked against the
 memory available and the disk's free space before anything is allocated.
+
+Under systemd (``$NOTIFY_SOCKET`` set: ``Type=notify``, see
+examples/systemd/kvstore.service) it sends ``READY=1`` right after the
+start line. SIGHUP re-reads the config (file, environment, flags, as at
+start) and applies its tenants only (:meth:`Daemon.reload_tenants`), with
+one ``kvstore serve: reloaded ...`` line saying what changed, or one
+``... failed: <why>; still serving ...`` line: a bad file never stops it.
+Tenants given by ``--tenant`` flags win over the file's, so a reload
+cannot change them, and says so.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -93,14 +104,23 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
 
     typed = {name for name, value in flags.items() if value is not None}
     try:
-        cfg = load_config(config_path, _flag_tree(flags, _tenant_specs(tenants)), path_named="--config")
+        flag_tree = _flag_tree(flags, _tenant_specs(tenants))
+        cfg = load_config(config_path, flag_tree, path_named="--config")
         if "host" in typed and cfg.daemon.listen.tcp_port is None:
             raise KVStoreError("--host needs --tcp-port (or daemon.listen.tcp_port in the config): "
                                "without a port nothing listens on TCP, and the metrics keep their own host")
         cfg.check_servable()
         check_room(cfg)
+
+        def ready(daemon: Daemon) -> None:
+            click.echo(start_line(daemon), err=True)
+            notify_systemd("READY=1")
+
+        def reload(daemon: Daemon) -> None:
+            click.echo(reload_line(daemon, config_path, flag_tree, bool(tenants)), err=True)
+
         with _progress_lines():
-            report = serve(cfg, ready=lambda daemon: click.echo(start_line(daemon), err=True))
+            report = serve(cfg, ready=ready, reload=reload)
         click.echo(drain_line(report, cfg), err=True)
     except (SettingUnusable, NoRoom) as exc:
         fail(KVStoreError(f"{_setting_named(exc.setting, typed)} {exc.value}: {exc.reason}"))
@@ -109,6 +129,68 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
                                     for loc, msg in exc.items)))
     except (KVStoreError, OSError, ValueError) as exc:
         fail(exc)
+
+
+def reload_line(daemon: Daemon, config_path: str | None, flag_tree: dict[str, Any], tenant_flags: bool) -> str:
+    """SIGHUP: the config read again as at start (the file, the environment,
+    the flags) and its tenants applied (:meth:`Daemon.reload_tenants`); the
+    line that says what changed, or why nothing did. Never raises: a bad
+    file must not take a serving daemon down."""
+    from kvstore.config_load import ENV_FILE, load_config  # noqa: PLC0415
+
+    before = len([] if daemon.tenants.anonymous else list(daemon.tenants))
+    keeping = f"still serving the {before} tenant{_s(before)} it had"
+    where = config_path or os.environ.get(ENV_FILE)
+    if not where:
+        return f"kvstore serve: SIGHUP: no config file to reload (no --config, no ${ENV_FILE}); {keeping}"
+    if tenant_flags:    # the flags' layer wins over the file's, now as at start
+        return (f"kvstore serve: SIGHUP: the tenants come from --tenant flags, which a reload cannot change "
+                f"(put them in {where} instead); {keeping}")
+    try:
+        changes = daemon.reload_tenants(load_config(config_path, flag_tree, path_named="--config"))
+    except SectionError as exc:
+        why = "; ".join(f"{dotted(loc)}: {msg}" if loc else msg for loc, msg in exc.items)
+        return f"kvstore serve: reload of {where} failed: {why}; {keeping}"
+    except (KVStoreError, OSError, ValueError) as exc:
+        return f"kvstore serve: reload of {where} failed: {exc}; {keeping}"
+    except Exception as exc:   # noqa: BLE001 -- whatever it is, the daemon serves on and says why
+        logging.getLogger("kvstore.daemon").exception("reload of %s", where)
+        return f"kvstore serve: reload of {where} failed: {type(exc).__name__}: {exc}; {keeping}"
+    n = len(list(daemon.tenants))
+    if not changes:
+        return f"kvstore serve: reloaded {where}: tenants unchanged ({n})"
+    parts = []
+    if changes.added:
+        parts.append("added " + ", ".join(changes.added))
+    if changes.removed:
+        parts.append("removed " + ", ".join(changes.removed) + " (open connections refused at their next request)")
+    if changes.quota:
+        parts.append("quota " + ", ".join(f"{name} {_quota(daemon.tenants.by_name[name].quota_bytes)}"
+                                          for name in changes.quota))
+    if changes.other:
+        parts.append("token, uids or admin changed for " + ", ".join(changes.other))
+    return f"kvstore serve: reloaded {where}: " + "; ".join(parts) + f"; {n} tenant{_s(n)}"
+
+
+def _quota(nbytes: int) -> str:
+    return format_size(nbytes) if nbytes else "none"
+
+
+def notify_systemd(state: str) -> None:
+    """``state`` (``READY=1``) to systemd's ``$NOTIFY_SOCKET`` (sd_notify's
+    datagram protocol, without libsystemd), so a ``Type=notify`` unit is
+    started once the daemon listens; nothing without that variable. A send
+    that fails is logged, not fatal: the daemon serves either way."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    address = "\0" + path[1:] if path.startswith("@") else path    # '@': an abstract socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        logging.getLogger("kvstore.daemon").warning("could not tell systemd %s at %s: %s", state, path, exc)
 
 
 def check_room(cfg: Config) -> None:

@@ -68,7 +68,7 @@ from kvstore.daemon.protocol import (
     unpack_meta,
 )
 from kvstore.daemon.shm import peer_credentials, send_with_fds
-from kvstore.daemon.tenants import Tenant, TenantTable
+from kvstore.daemon.tenants import Tenant, TenantChanges, TenantTable
 from kvstore.errors import AuthFailed, InvalidKey, KVStoreError, Overloaded, ProtocolError
 from kvstore.store.tiered import TieredStore
 from kvstore.units import format_size
@@ -129,8 +129,10 @@ class Daemon:
         self.errors = 0
         self.max_connections = claims.connection_limit(config)
         self.handlers = Handlers(self)
+        # /metrics' tenant rows: this list itself, refilled in place by a reload
+        self._metric_tenants = list(self.tenants)
         self.registry, self._public_registry, self._request_seconds = daemon_registry(
-            store, list(self.tenants), self.tenant_label, self.status, self.event_counters)
+            store, self._metric_tenants, self.tenant_label, self.status, self.event_counters)
         self._listeners: list[socket.socket] = []
         self._accepts: list[asyncio.Task] = []
         self._conns: dict[asyncio.Task, Conn] = {}
@@ -252,6 +254,24 @@ class Daemon:
         uid = int(peer.removeprefix("uid:")) if peer.startswith("uid:") else None
         tenant = self.tenants.authenticate(token, uid)
         return tenant is not None and tenant.admin
+
+    def reload_tenants(self, config: Config) -> TenantChanges:
+        """Make ``config``'s tenants the daemon's (SIGHUP; the rest of
+        ``config`` is not looked at: it takes a restart). New tenants may
+        connect at once; a removed tenant's open connections are refused at
+        their next request and closed (a request in flight finishes), and
+        its blocks stay in the store, under their quota, untouched (added
+        again, it finds them); a changed quota is the planner's from the
+        next put on (a lower one evicts that tenant's coldest blocks as it
+        puts, never another's). A bad config raises (:class:`ConfigError`)
+        with nothing changed."""
+        changes = self.tenants.reload(config.daemon)
+        for tenant in self.tenants:
+            if tenant.name in changes.added or tenant.name in changes.quota:
+                self.store.set_quota(tenant.owner, tenant.quota_bytes or None)
+        self.store.set_owner_shares({t.owner: t.quota_bytes or None for t in self.tenants})
+        self._metric_tenants[:] = list(self.tenants)
+        return changes
 
     def tenant_label(self, tenant: Tenant) -> str:
         return tenant.name if self.config.metrics.tenant_names else tenant.label
@@ -439,6 +459,8 @@ class Daemon:
                 max_payload=self.config.limits.max_request_bytes)
             if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
                 raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
+            if ten is not None and ten.removed:   # a reload dropped its tenant: no more requests (closed below)
+                raise AuthFailed(f"tenant {ten.name} was removed from the daemon's config")
             body = await self._receive(loop, conn, op, req_id, meta_len, payload_len, body_s)
             if body is None:
                 return True                     # refused and read past: the stream is in step
@@ -680,19 +702,26 @@ def _spare() -> int:
 
 
 # -- entry point ------------------------------------------------------------------------
-def serve(config: Config, ready: Callable[[Daemon], None] | None = None) -> DrainReport:
+def serve(config: Config, ready: Callable[[Daemon], None] | None = None,
+          reload: Callable[[Daemon], None] | None = None) -> DrainReport:
     """Run the daemon until SIGTERM or SIGINT, then drain; returns what the
     drain did. Blocking; call from the main thread (signal handlers).
-    ``ready`` runs once every listener accepts connections."""
+    ``ready`` runs once every listener accepts connections; ``reload`` on
+    each SIGHUP, on the loop (it reads the config and calls
+    :meth:`Daemon.reload_tenants`; it must not raise). Without it SIGHUP is
+    logged and ignored, never the default (which would kill the daemon)."""
     async def main() -> DrainReport:
         daemon = await Daemon.start(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, (lambda: reload(daemon)) if reload is not None else
+                                (lambda: log.warning("SIGHUP: nothing to reload (no config file)")))
         if ready is not None:
             ready(daemon)
         await stop.wait()
+        loop.remove_signal_handler(signal.SIGHUP)
         return await daemon.drain()
 
     return asyncio.run(main())

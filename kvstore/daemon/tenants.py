@@ -72,6 +72,7 @@ class Tenant:
     connections: int = 0
     pins: dict[tuple[BlockKey, str], float] = field(default_factory=dict)   # (server key, holder) -> expiry
     engines: dict[str, int] = field(default_factory=dict)       # engine -> its prefix cache (tokens), oldest first
+    removed: bool = False              # dropped from the config by a reload: its open connections are refused
     hits: int = 0
     misses: Counter = field(default_factory=Counter)          # MissReason value -> count
     lookup_blocks: int = 0
@@ -130,23 +131,75 @@ class Tenant:
 
 
 class TenantTable:
-    """Token -> tenant (constant-time comparison), owner tag -> tenant."""
+    """Token -> tenant (constant-time comparison), owner tag -> tenant.
+
+    :meth:`reload` swaps in a new config's tenants (SIGHUP): a tenant kept
+    by name keeps its :class:`Tenant` (counters, pins, open connections)
+    with its token, quota, uids and admin flag updated; a new one gets its
+    secret and owner tag from the same key secret as at start (so a tenant
+    removed and added again finds its blocks); a removed one is marked
+    :attr:`Tenant.removed`, which the server checks at each request of its
+    open connections."""
 
     def __init__(self, config: DaemonConfig, key_secret: bytes) -> None:
-        base = hashlib.blake2b(key_secret, digest_size=32, person=b"kvstore-daemon").digest()
-        specs = config.tenants or (TenantSpec(name=ANONYMOUS, token="anonymous-tenant", admin=True),)
+        self._base = hashlib.blake2b(key_secret, digest_size=32, person=b"kvstore-daemon").digest()
         self.anonymous = not config.tenants
-        self._tokens = [(s.token.encode(), s.name) for s in specs]
+        self._tokens: list[tuple[bytes, str]] = []
         self.by_name: dict[str, Tenant] = {}
         self.by_owner: dict[int, Tenant] = {}
+        self._install(config.tenants or (TenantSpec(name=ANONYMOUS, token="anonymous-tenant", admin=True),), {})
+
+    def _install(self, specs: Iterable[TenantSpec], kept: dict[str, Tenant]) -> None:
+        """Make ``specs`` the table's tenants, reusing ``kept``'s by name.
+        Everything is built aside first: a clash raises with the table untouched."""
+        specs = tuple(specs)
+        by_name: dict[str, Tenant] = {}
+        by_owner: dict[int, Tenant] = {}
         for s in specs:
-            secret = hashlib.blake2b(s.name.encode(), key=base, digest_size=32).digest()
-            owner = _owner_tag(s.name, base)
-            if owner in self.by_owner:   # 1 in 4 billion per pair; say so rather than mix them up
-                raise ConfigError(f"tenants {self.by_owner[owner].name!r} and {s.name!r} got the same "
+            owner = _owner_tag(s.name, self._base)
+            if owner in by_owner:   # 1 in 4 billion per pair; say so rather than mix them up
+                raise ConfigError(f"tenants {by_owner[owner].name!r} and {s.name!r} got the same "
                                   "owner tag; rename one of them")
-            t = Tenant(s.name, s.quota_bytes, secret, owner, s.admin, s.uids)
-            self.by_name[s.name] = self.by_owner[owner] = t
+            t = kept.get(s.name)
+            if t is None:
+                secret = hashlib.blake2b(s.name.encode(), key=self._base, digest_size=32).digest()
+                t = Tenant(s.name, s.quota_bytes, secret, owner, s.admin, s.uids)
+            by_name[s.name] = by_owner[owner] = t
+        for s in specs:             # nothing can fail from here on
+            t = by_name[s.name]
+            t.quota_bytes, t.admin, t.uids = s.quota_bytes, s.admin, s.uids
+        self._tokens = [(s.token.encode(), s.name) for s in specs]
+        self.by_name, self.by_owner = by_name, by_owner
+
+    def reload(self, config: DaemonConfig) -> TenantChanges:
+        """Make ``config``'s tenants this table's (see the class); what
+        changed. :class:`ConfigError`, the table untouched, if ``config``
+        would switch between no tenants (every client the anonymous admin)
+        and tenants: that changes who may connect at all, so it takes a restart."""
+        if not config.tenants and not self.anonymous:
+            raise ConfigError("daemon.tenants: the reloaded config has no tenants, which would let every "
+                              "client in as the anonymous admin; keep at least one tenant (or restart "
+                              "the daemon to run without tenants)")
+        if config.tenants and self.anonymous:
+            raise ConfigError("daemon.tenants: the daemon started without tenants (every client is the "
+                              "anonymous admin); restart it to require tokens")
+        old = {t.name: (t.quota_bytes, t.admin, t.uids) for t in self}
+        old_tokens = dict((name, tok) for tok, name in self._tokens)
+        kept = dict(self.by_name)
+        self._install(config.tenants, kept)
+        changes = TenantChanges(
+            added=tuple(n for n in self.by_name if n not in old),
+            removed=tuple(n for n in old if n not in self.by_name),
+            quota=tuple(n for n in self.by_name if n in old and old[n][0] != self.by_name[n].quota_bytes),
+            other=tuple(n for n in self.by_name if n in old and (old[n][1:] != (self.by_name[n].admin,
+                                                                                self.by_name[n].uids)
+                                                               or old_tokens[n] != self._token_of(n))))
+        for name in changes.removed:
+            kept[name].removed = True
+        return changes
+
+    def _token_of(self, name: str) -> bytes:
+        return next(tok for tok, n in self._tokens if n == name)
 
     def authenticate(self, token: object, uid: int | None) -> Tenant | None:
         """The tenant of ``token``, if the peer's ``uid`` (Unix sockets) is one it allows."""
@@ -186,6 +239,20 @@ class TenantTable:
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self.by_name.values())
+
+
+@dataclass(frozen=True, slots=True)
+class TenantChanges:
+    """What :meth:`TenantTable.reload` changed, by tenant name: added,
+    removed, quota changed, and token, uids or admin flag changed."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    quota: tuple[str, ...] = ()
+    other: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.quota or self.other)
 
 
 def _owner_tag(name: str, base: bytes) -> int:
