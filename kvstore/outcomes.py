@@ -31,3 +31,6 @@ class MissReason(enum.Enum):
     TIER_UNAVAILABLE = "tier_unavailable"
     PARTIAL_BLOCK = "partial_block"
     PARTIAL_GROUP = "partial_group"       # a group of a hybrid model lacks what this prefix needs
+    # held only in a volatile tier (DRAM, HBM) when the store last stopped without
+    # writing it down (a crash, kill -9, flush_on_close off): see kvstore/store/volatile.py
+    LOST_IN_RESTART = "lost_in_restart"

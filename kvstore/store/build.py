@@ -85,14 +85,26 @@ async def build_store(cfg: Config) -> TieredStore:
             from kvstore.sessions.journal import SessionJournal  # noqa: PLC0415
             journal = SessionJournal(Path(nvme.path) / "sessions.journal")
         try:
-            return TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
-                               max_prefetch=cfg.policy.max_prefetch,
-                               max_prefetch_blocks=cfg.policy.max_prefetch_blocks,
-                               durable_tier=durable_tier(cfg, tiers))
+            store = TieredStore(tiers, placement=build_placement(cfg, tiers), sessions=journal,
+                                max_prefetch=cfg.policy.max_prefetch,
+                                max_prefetch_blocks=cfg.policy.max_prefetch_blocks,
+                                durable_tier=durable_tier(cfg, tiers))
         except BaseException:
             if journal is not None:
                 journal.close()
             raise
+        if nvme is not None and not nvme.read_only and any(not t.persistent for t in tiers):
+            # which blocks only a volatile tier holds, beside the segments: after a crash
+            # they miss as lost_in_restart, not never_stored (kvstore/store/volatile.py)
+            from pathlib import Path  # noqa: PLC0415
+
+            from kvstore.store.volatile import MANIFEST_NAME  # noqa: PLC0415
+            try:
+                await store.keep_volatile_manifest(str(Path(nvme.path) / MANIFEST_NAME))
+            except BaseException:
+                store.journal.close()    # the tiers are closed below
+                raise
+        return store
     except BaseException:       # the tiers hold files and locks: let them go
         for tier in tiers:
             await tier.close()

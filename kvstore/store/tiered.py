@@ -46,6 +46,7 @@ from kvstore.store.leases import Leases, Protected, check_holder
 from kvstore.store.moves import Applied, Executor, Held
 from kvstore.store.planner import Planner, SessionHints, TierPlan, extra_copies
 from kvstore.store.prefetch import Prefetcher
+from kvstore.store.volatile import VolatileManifest
 from kvstore.tiers.base import Tier, check_batch
 
 log = logging.getLogger("kvstore.store")
@@ -129,6 +130,7 @@ class TieredStore:
                                      max_prefetch=max_prefetch, max_prefetch_blocks=max_prefetch_blocks)
         self._flush_on_close = flush_on_close
         self.events: EventSource | None = None
+        self.volatile: VolatileManifest | None = None
 
     @property
     def placement(self) -> PlacementPolicy:
@@ -590,6 +592,24 @@ class TieredStore:
                           held=frozenset(tier.iter_keys()), lost=self.planner.tiers[t].lost)
                 for t, (tier, name) in enumerate(zip(self.tiers, self.names))]
 
+    async def keep_volatile_manifest(self, path: str, *, interval_s: float = 2.0) -> int:
+        """Keep the manifest of blocks held only in volatile tiers at ``path``
+        (beside the persistent tier: :mod:`kvstore.store.volatile`). Blocks
+        the last run left there and the tiers do not hold now miss as
+        ``lost_in_restart``. At open, on the store's loop. Returns those blocks."""
+        if self.volatile is not None:
+            raise KVStoreError("the store keeps a volatile manifest already")
+        persistent = [t for t, tier in enumerate(self.tiers) if tier.persistent]
+        self.volatile = VolatileManifest(path, [t for t in range(len(self.tiers)) if t not in persistent],
+                                         persistent, limit=_GONE_MEMORY, interval_s=interval_s)
+        lost = await self.volatile.recover(self.planner.beliefs)
+        for key in reversed(lost):     # newest last: the first forgotten when _gone is full
+            self._forget(key, MissReason.LOST_IN_RESTART)
+        if lost:
+            log.info("%d block(s) held only in volatile tiers were lost when the store last stopped; "
+                     "they miss as lost_in_restart", len(lost))
+        return len(lost)
+
     def attach_events(self, events: EventSource) -> None:
         """Tell ``events`` (:class:`kvstore.events.log.EventLog`) every change
         of what the tiers hold, from now, starting with all they hold now; it
@@ -623,6 +643,8 @@ class TieredStore:
         await self.prefetcher.close()
         if self._flush_on_close:
             await self.aflush()
+        if self.volatile is not None:   # after the flush: what is volatile-only now is lost by this close
+            await self.volatile.close()
         for tier in self.tiers:
             await tier.close()
         self.journal.close()
