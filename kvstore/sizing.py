@@ -177,6 +177,18 @@ _HF_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"
               "float": "float32"}
 _LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 _STATELESS = ("dummy", "moe", "mlp")
+FLOAT32_SERVED_NOTE = ("; torch_dtype float32 sized as bfloat16, the dtype vLLM's --dtype auto serves "
+                       "a float32 model in (--dtype float32 sizes it in fp32)")
+# A config.json whose sliding_window does not say which layers slide (no layer_types,
+# no sliding_window_pattern): the interleaving lives in the modelling code. These are
+# the patterns transformers' config classes fill layer_types with (every pattern-th
+# layer full attention, the others sliding: Gemma 2's even layers are local), and
+# vLLM's gemma2 / gemma3 / commandr models read that layer_types.
+_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+# Models whose one sliding_window holds on every layer: transformers' configs give
+# them no layer_types, and vLLM's models pass no per-layer window, so each layer
+# takes the model-level one (CacheConfig.sliding_window). Mistral v0.1 is one.
+_SLIDING_EVERY_LAYER = ("mistral", "mixtral", "starcoder2", "phi3")
 
 
 def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelShape:
@@ -185,10 +197,15 @@ def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelSha
     ``num_attention_heads``), ``head_dim`` (else ``hidden_size / num_attention_heads``),
     ``torch_dtype`` (or ``dtype``; else bfloat16); MLA from ``kv_lora_rank +
     qk_rope_head_dim``; sliding-window layers from ``layer_types``, else
-    ``sliding_window`` with ``sliding_window_pattern`` (Gemma 3) or on every layer,
-    unless ``use_sliding_window`` is false (the transformers connector's reading,
-    :func:`kvstore.connectors.hf.model_groups`). ``dtype``: the KV cache's, in place of
-    the config's. Errors name the path and the field."""
+    ``sliding_window`` with ``sliding_window_pattern`` or the pattern of its
+    ``model_type`` (:data:`_SLIDING_PATTERNS`: Gemma 2, Gemma 3, Cohere 2), or on every
+    layer for the models that slide everywhere (:data:`_SLIDING_EVERY_LAYER`: Mistral
+    v0.1), unless ``use_sliding_window`` is false: transformers' own config fills in
+    the same ``layer_types``, which vLLM and the transformers connector
+    (:func:`kvstore.connectors.hf.model_groups`) read. Any other ``sliding_window``
+    without ``layer_types`` is an error, not a guess. A ``torch_dtype`` of float32 is
+    sized as bfloat16, as vLLM's ``--dtype auto`` serves it (the note says so).
+    ``dtype``: the KV cache's, in place of the config's. Errors name the path and the field."""
     where = str(path)
     try:
         data = json.loads(Path(path).read_text())
@@ -211,15 +228,21 @@ def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelSha
 
     layers = number("num_hidden_layers")
     raw_dtype = cfg.get("torch_dtype", cfg.get("dtype")) or "bfloat16"
-    dtype = dtype or _HF_DTYPES.get(str(raw_dtype).removeprefix("torch."))
+    served_note = ""
     if dtype is None:
-        raise ConfigError(f"{where}: torch_dtype {json.dumps(raw_dtype)} is not a KV dtype kvstore knows; "
-                          f"give --dtype ({', '.join(sorted(DTYPE_BYTES))})")
+        dtype = _HF_DTYPES.get(str(raw_dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ConfigError(f"{where}: torch_dtype {json.dumps(raw_dtype)} is not a KV dtype kvstore knows; "
+                              f"give --dtype ({', '.join(sorted(DTYPE_BYTES))})")
+        if dtype == "float32":
+            # vLLM's --dtype auto downcasts a float32 checkpoint ("Downcast for float32
+            # models", vllm/config/model.py), and the KV cache takes the model's dtype
+            dtype, served_note = "bfloat16", FLOAT32_SERVED_NOTE
     name = str(cfg.get("_name_or_path") or data.get("model_type") or Path(path).parent.name or "config")
     if cfg.get("kv_lora_rank") is not None:
         latent = number("kv_lora_rank") + number("qk_rope_head_dim")
         return ModelShape(name, layers, 1, latent, dtype, "mla", hf_id="",
-                          note=f"from {where}: MLA latent kv_lora_rank + qk_rope_head_dim")
+                          note=f"from {where}: MLA latent kv_lora_rank + qk_rope_head_dim{served_note}")
     heads = number("num_attention_heads")
     kv_heads = number("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim") or (number("hidden_size") // heads)
@@ -232,7 +255,7 @@ def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelSha
         raise ConfigError(f"{where}: sliding_attention layers but no sliding_window")
     attention = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     return ModelShape(name, layers, kv_heads, head_dim, dtype, attention, window if sliding else None, sliding,
-                      note=f"from {where}")
+                      note=f"from {where}{served_note}")
 
 
 def _layer_kinds(cfg: Mapping[str, Any], layers: int, window: object, where: str) -> list[str]:
@@ -247,10 +270,19 @@ def _layer_kinds(cfg: Mapping[str, Any], layers: int, window: object, where: str
         return [_LAYER_KINDS.get(t, "none") for t in types]
     if not window:
         return ["full"] * layers
-    pattern = cfg.get("sliding_window_pattern")
-    if isinstance(pattern, int) and pattern > 1:     # Gemma 3: every pattern-th layer is global
+    model_type = str(cfg.get("model_type") or "")
+    pattern = cfg.get("sliding_window_pattern", _SLIDING_PATTERNS.get(model_type))
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1:
         return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers)]
-    return ["sliding"] * layers
+    if model_type in _SLIDING_EVERY_LAYER:
+        return ["sliding"] * layers
+    # guessing "every layer" sized Gemma 2 at 0 B per token: no answer beats a wrong one
+    raise ConfigError(
+        f"{where}: sliding_window {json.dumps(window)} but no layer_types or sliding_window_pattern, and "
+        f"model_type {json.dumps(model_type or None)} is not one whose sliding layers kvstore knows "
+        f"({', '.join(_SLIDING_PATTERNS)}: interleaved; {', '.join(_SLIDING_EVERY_LAYER)}: every layer); "
+        "add layer_types to the config.json: one \"full_attention\" or \"sliding_attention\" per layer, "
+        "as transformers' config class for the model fills it in")
 
 
 # -- what a tier accounts -----------------------------------------------------------------------
@@ -727,12 +759,18 @@ A hybrid model, Gemma 3 27B, at the same budget:
 
 `kvstore size` takes a model, `--model NAME` (a name of the table above, or
 its Hugging Face name: `Llama-3.1-8B`, `meta-llama/Llama-3.1-8B`) or
-`--config PATH` (a Hugging Face `config.json`), then either `--tokens N`
+`--config PATH` (a Hugging Face `config.json`: a `torch_dtype` of float32
+is sized as bfloat16, the dtype vLLM's `--dtype auto` serves it in; a
+`sliding_window` without `layer_types` is read as transformers and vLLM
+read it: interleaved for Gemma 2, Gemma 3 and Cohere 2, on every layer for
+Mistral v0.1, Mixtral, StarCoder2 and Phi-3; for any other model it is an
+error asking for `layer_types`), then either `--tokens N`
 (the bytes each tier needs, and a suggested `kvstore serve` split, keeping
 `--hot N` tokens in DRAM: a quarter by default) or tier sizes `--dram SIZE`,
 `--nvme SIZE`, `--redis SIZE` (the tokens each holds). `--block-tokens N`
 is the engine's block size (16), `--dtype NAME` the KV cache dtype if not
-the model's (`fp8_e4m3` for vLLM's `--kv-cache-dtype fp8`), `--context N`
+the model's (`fp8_e4m3` for vLLM's `--kv-cache-dtype fp8`; `float32` to
+size a float32 config.json in fp32), `--context N`
 the tokens per resume point of a hybrid model (8K). `--json` prints the
 figures as JSON, `--table` the table above. A bad value is an error naming
 its flag (exit 2): an unknown model lists the known ones.

@@ -32,7 +32,9 @@ TIER_SIZE = Size(minimum=4096)      # the smallest DRAM and NVMe tier kvstore se
 @click.option("--block-tokens", type=click.IntRange(min=1), default=None,
               help="Tokens per block: the engine's block size [16, vLLM's default].")
 @click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default=None,
-              help="The KV cache dtype, if not the model's (fp8_e4m3 for vLLM's --kv-cache-dtype fp8).")
+              help="The KV cache dtype, if not the model's (fp8_e4m3 for vLLM's --kv-cache-dtype fp8). A "
+                   "config.json's float32 is sized as bfloat16, as vLLM's --dtype auto serves it; float32 "
+                   "sizes it in fp32.")
 @click.option("--hot", type=TOKEN_COUNT, default=None,
               help="With --tokens: the tokens the suggested split keeps in DRAM [a quarter of --tokens].")
 @click.option("--context", type=TOKEN_COUNT, default=None,

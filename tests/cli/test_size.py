@@ -195,6 +195,20 @@ GEMMA3_27B = {"model_type": "gemma3", "torch_dtype": "bfloat16",
               "text_config": {"model_type": "gemma3_text", "hidden_size": 5376, "head_dim": 128,
                               "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
                               "sliding_window": 1024, "sliding_window_pattern": 6, "intermediate_size": 21504}}
+# google/gemma-2-9b's config.json: a sliding_window but no layer_types (the modelling
+# code interleaves: even layers local), and float32 weights
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 256, "hidden_size": 3584,
+             "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "sliding_window": 4096,
+             "cache_implementation": "hybrid", "torch_dtype": "float32", "query_pre_attn_scalar": 256,
+             "intermediate_size": 14336, "vocab_size": 256000}
+# CohereForAI/c4ai-command-r7b-12-2024: 3 sliding layers then a full one (no layer_types)
+COHERE2_7B = {"model_type": "cohere2", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "sliding_window": 4096, "torch_dtype": "bfloat16",
+              "intermediate_size": 14336, "vocab_size": 256000}
+# mistralai/Mistral-7B-v0.1: its one sliding_window holds on every layer
+MISTRAL_V01 = {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+               "num_key_value_heads": 8, "sliding_window": 4096, "torch_dtype": "bfloat16",
+               "intermediate_size": 14336, "vocab_size": 32000}
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
                "num_hidden_layers": 61, "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16"}
@@ -215,8 +229,9 @@ def test_config_json_gives_the_presets_figures(tmp_path, config, preset):
     assert rep["shape"]["layers"] == want["shape"]["layers"]
 
 
-@pytest.mark.parametrize("config", [LLAMA_31_8B, QWEN25_7B, GEMMA3_27B["text_config"]],
-                         ids=["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("config", [LLAMA_31_8B, QWEN25_7B, GEMMA3_27B["text_config"], GEMMA2_9B, COHERE2_7B,
+                                    MISTRAL_V01],
+                         ids=["llama", "qwen2", "gemma3_text", "gemma2", "cohere2", "mistral-v0.1"])
 def test_config_json_reads_layers_as_the_transformers_connector_does(tmp_path, config):
     """The groups read from the raw JSON are those the transformers connector
     builds from transformers' own config object (which fills in its defaults)."""
@@ -230,6 +245,73 @@ def test_config_json_reads_layers_as_the_transformers_connector_does(tmp_path, c
     theirs = model_groups(cfg, block_tokens=16, dtype="bfloat16")
     assert [(g.layers, g.layout.bytes_per_token, g.layout.sliding_window) for g in ours] == \
         [(g.layers, g.layout.bytes_per_token, g.layout.sliding_window) for g in theirs]
+
+
+def test_gemma2_config_without_layer_types_alternates_sliding_and_full_layers(tmp_path):
+    """Gemma 2 names a sliding_window but not which layers slide: the even layers
+    are local (vLLM's gemma2 reads transformers' layer_types), so half the layers
+    store every token; not "all sliding, 0 B per token"."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA2_9B))
+    shape = sizing.shape_from_hf_config(path)
+    assert shape.sliding == tuple(range(0, 42, 2)) and shape.full_layers == tuple(range(1, 42, 2))
+    assert shape.window == 4096
+    r = kvstore("size", "--config", str(path), "--tokens", "100K", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["kv_bytes_per_token"] == 21 * 2 * 8 * 256 * 2                 # 172,032: the 21 full layers
+    assert rep["kv_bytes_per_token_all_layers"] == 42 * 2 * 8 * 256 * 2      # 336 KiB, bfloat16
+    assert [g["kind"] for g in rep["groups"]] == ["full", "sliding_window"]
+    text = kvstore("size", "--config", str(path), "--tokens", "100K").stdout
+    assert "21 of the layers sliding-window (4096 tokens), 21 full attention" in text
+    assert "KV per token              168.0 KiB (172,032 B) = 21 layers x" in text
+
+
+def test_a_sliding_window_nobody_placed_is_an_error_not_a_guess(tmp_path):
+    """A sliding_window without layer_types, of a model type whose layout kvstore does
+    not know, asks for layer_types; given them, the same config sizes."""
+    config = {**COHERE2_7B, "model_type": "newmodel"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = kvstore("size", "--config", str(path), "--tokens", "100K")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    for needle in ("--config", "sliding_window 4096 but no layer_types", 'model_type "newmodel"', "gemma2",
+                   "mistral", "add layer_types"):
+        assert needle in r.stderr, (needle, r.stderr)
+    kinds = ["sliding_attention", "full_attention"] * 16
+    path.write_text(json.dumps({**config, "layer_types": kinds}))
+    assert sizing.shape_from_hf_config(path).sliding == tuple(range(0, 32, 2))
+    # a window that is off, or a pattern the config gives, needs no layer_types
+    path.write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert sizing.shape_from_hf_config(path).sliding == ()
+    path.write_text(json.dumps({**config, "sliding_window_pattern": 4}))
+    assert len(sizing.shape_from_hf_config(path).sliding) == 24
+
+
+def test_a_float32_config_is_sized_as_vllm_serves_it_in_bfloat16(tmp_path):
+    """vLLM's --dtype auto serves a float32 checkpoint in bfloat16, and its KV cache
+    with it: sized so, and said; --dtype float32 sizes fp32, without the note."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA_31_8B, "torch_dtype": "float32"}))
+    r = kvstore("size", "--config", str(path), "--tokens", "100K", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["shape"]["dtype"] == "bfloat16" and rep["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    assert "torch_dtype float32 sized as bfloat16" in rep["note"]
+    text = kvstore("size", "--config", str(path), "--tokens", "100K").stdout
+    assert "torch_dtype float32 sized as bfloat16, the dtype vLLM's --dtype auto serves" in text
+    assert "--dtype float32 sizes it in fp32" in text
+    fp32 = kvstore("size", "--config", str(path), "--tokens", "100K", "--dtype", "float32", "--json")
+    assert fp32.returncode == 0, fp32.stderr
+    rep32 = json.loads(fp32.stdout)
+    assert rep32["shape"]["dtype"] == "float32" and rep32["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 4
+    assert "float32 sized as" not in (rep32["note"] or "")
+    assert "float32 sized as" not in kvstore("size", "--config", str(path), "--dtype", "float32").stdout
+    # the spelling "float" too; a bfloat16 config gets no note
+    path.write_text(json.dumps({**LLAMA_31_8B, "torch_dtype": "float"}))
+    assert sizing.shape_from_hf_config(path).dtype == "bfloat16"
+    path.write_text(json.dumps(LLAMA_31_8B))
+    assert "sized as" not in sizing.shape_from_hf_config(path).note
 
 
 def test_dtype_overrides_the_configs(tmp_path):
