@@ -52,7 +52,8 @@ MISS_MEANINGS: dict[MissReason, str] = {
     MissReason.PARTIAL_GROUP: "a hybrid model's group (a sliding window, a state) lacks what this "
                               "prefix needs, so the prefix stops there",
     MissReason.LOST_IN_RESTART: "held only in a volatile tier (DRAM) when the store last stopped "
-                                "without writing it down (a crash, kill -9, flush_on_close off)",
+                                "without writing it down (a crash, kill -9, flush_on_close off); rarely, "
+                                "evicted with no copy kept in the milliseconds before a crash",
 }
 
 

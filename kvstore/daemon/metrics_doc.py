@@ -46,7 +46,8 @@ MEANING: dict[str, dict[str, str]] = {
                                 "(grow DRAM / NVMe, or see `kvstore_regime`); `tier_unavailable`: a tier "
                                 "(Redis, a disk) failed: check the daemon's log; `corrupt`: run `kvstore check`; "
                                 "`lost_in_restart`: stored, but only in DRAM when the store last stopped without "
-                                "flushing (a crash, kill -9): NVMe copies survived, this one did not.",
+                                "flushing (a crash, kill -9): NVMe copies survived, this one did not (rarely: "
+                                "evicted with no copy kept in the milliseconds before the crash).",
         "kvstore_lookups_total": "Prefix lookups, one per engine request. The request rate the store sees; "
                                  "zero while the engine runs means the connector is not wired.",
         "kvstore_probes_total": "Lookups that asked again about a request already counted (vLLM asks every "

@@ -565,6 +565,8 @@ class TieredStore:
         # it lands (one of this namespace is fenced: deleted again).
         self._forget_dropped(ns)
         self.stats.invalidated_blocks += dropped
+        if self.volatile is not None:   # the manifest names them no more before this returns: a crash
+            await self.volatile.write_now()     # after it does not report them lost_in_restart
         return dropped
 
     def _forget_dropped(self, ns: bytes) -> None:
@@ -592,11 +594,13 @@ class TieredStore:
                           held=frozenset(tier.iter_keys()), lost=self.planner.tiers[t].lost)
                 for t, (tier, name) in enumerate(zip(self.tiers, self.names))]
 
-    async def keep_volatile_manifest(self, path: str, *, interval_s: float = 2.0) -> int:
+    async def keep_volatile_manifest(self, path: str, *, interval_s: float | None = None) -> int:
         """Keep the manifest of blocks held only in volatile tiers at ``path``
         (beside the persistent tier: :mod:`kvstore.store.volatile`). Blocks
         the last run left there and the tiers do not hold now miss as
-        ``lost_in_restart``. At open, on the store's loop. Returns those blocks."""
+        ``lost_in_restart``. At open, on the store's loop. Returns those blocks.
+        ``interval_s``: the shortest wait between two writes (None: the module's
+        ``DEFAULT_INTERVAL_S``, 2 s; the wait grows with the file's size)."""
         if self.volatile is not None:
             raise KVStoreError("the store keeps a volatile manifest already")
         persistent = [t for t, tier in enumerate(self.tiers) if tier.persistent]
@@ -630,6 +634,8 @@ class TieredStore:
         snap["placement"] = self.placement.stats()
         snap["engine_hbm_tokens"] = sum(self._engines.values())
         snap["sessions"] = {**self.sessions.stats(), **self.journal.stats()}
+        if self.volatile is not None:   # what a crash would lose, and whether that is written down
+            snap["volatile_manifest"] = self.volatile.stats()
         return snap
 
     async def aflush(self) -> int:

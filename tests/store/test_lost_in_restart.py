@@ -237,3 +237,66 @@ def test_a_sigkilled_daemon_reports_its_dram_blocks_lost_in_restart(tmp_path):
         assert not (tmp_path / "nvme" / MANIFEST_NAME).exists()
     finally:
         d.kill()
+
+
+# -- the review's findings: encoding at C speed, removals written promptly, close vs a write --
+def test_encode_in_pieces_round_trips_across_pieces_and_mixed_key_lengths():
+    from kvstore.store.volatile import _CHUNK_KEYS
+    same = [os.urandom(32) for _ in range(_CHUNK_KEYS + 3)]
+    mixed = same[:5] + [os.urandom(16) for _ in range(_CHUNK_KEYS)] + same[5:9]
+    for keys in (same, mixed, same[:1]):
+        assert decode(encode(keys), len(keys)) == keys
+
+
+@pytest.fixture
+def slow_ticks(monkeypatch):
+    """No tick in a test's time: only what the test (or a removal) asks for is written."""
+    import kvstore.store.volatile as vol
+    monkeypatch.setattr(vol, "DEFAULT_INTERVAL_S", 3600.0)
+
+
+def test_invalidate_strikes_its_blocks_from_the_manifest_before_it_returns(tmp_path, slow_ticks):
+    """A crash right after an invalidate does not report the blocks it dropped
+    as lost_in_restart: the file names them no more when invalidate returns."""
+    path = tmp_path / "nvme" / MANIFEST_NAME
+    with open_store(store_tree(tmp_path)) as s:
+        s.put(ID, KEYS[:6], BLOCKS[:6])
+        assert s._call(s.store.volatile.write_now())          # what a tick writes
+        assert set(manifest_keys(path) or ()) == set(KEYS[2:6])
+        assert s.invalidate(ID) == 6
+        assert manifest_keys(path) == []                      # no wait: written before invalidate returned
+        assert s.stats()["volatile_manifest"]["volatile_only_blocks"] == 0
+
+
+def test_close_waits_for_a_write_in_flight_and_leaves_no_stale_manifest(tmp_path, slow_ticks, monkeypatch):
+    """Fault injection: a write of the set stalls in its thread (a slow fsync)
+    and its waiter is cancelled; close() must wait for that thread, not race
+    it: a stale set renamed in after close removed the file would be reported
+    lost at the next open although the flush wrote every block to NVMe."""
+    import asyncio
+    import threading
+
+    import kvstore.store.volatile as vol
+    real, entered, release = vol.write_manifest, threading.Event(), threading.Event()
+
+    def stalled_write(path, keys):
+        if keys:                     # the set's write; not the empty one at open
+            entered.set()
+            release.wait(60)
+        return real(path, keys)
+    monkeypatch.setattr(vol, "write_manifest", stalled_write)
+    s = open_store(store_tree(tmp_path))
+    s.put(ID, KEYS[:6], BLOCKS[:6])
+    waiter = asyncio.run_coroutine_threadsafe(s.store.volatile.write_now(), s._loop)
+    assert entered.wait(60)
+    waiter.cancel()                  # as close() cancels the tick's task
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()         # close waits for the stalled write's thread
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    assert not (tmp_path / "nvme" / MANIFEST_NAME).exists()   # the flush wrote all down: no manifest
+    with open_store(store_tree(tmp_path)) as s:
+        assert LOST not in s.lookup(KEYS).reasons and s.lookup(KEYS).prefix_blocks == 6
