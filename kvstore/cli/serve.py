@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -102,6 +103,9 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
     from kvstore.daemon.server import serve  # noqa: PLC0415
     from kvstore.hostmem import NoRoom  # noqa: PLC0415
 
+    # a SIGHUP (a reload) before serve() takes it over, while the config is read, must not kill the
+    # daemon; kept ignored after serve() returns, until the process exits
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     typed = {name for name, value in flags.items() if value is not None}
     try:
         flag_tree = _flag_tree(flags, _tenant_specs(tenants))
@@ -137,8 +141,11 @@ def reload_line(daemon: Daemon, config_path: str | None, flag_tree: dict[str, An
     line that says what changed, or why nothing did. Never raises: a bad
     file must not take a serving daemon down."""
     from kvstore.config_load import ENV_FILE, load_config  # noqa: PLC0415
+    from kvstore.daemon.tenants import ANONYMOUS_RELOAD  # noqa: PLC0415
 
-    before = len([] if daemon.tenants.anonymous else list(daemon.tenants))
+    if daemon.tenants.anonymous:    # every client its admin: who may connect at all is not reloadable
+        return f"kvstore serve: SIGHUP: {ANONYMOUS_RELOAD}; still serving every client"
+    before = len(list(daemon.tenants))
     keeping = f"still serving the {before} tenant{_s(before)} it had"
     where = config_path or os.environ.get(ENV_FILE)
     if not where:
@@ -163,12 +170,15 @@ def reload_line(daemon: Daemon, config_path: str | None, flag_tree: dict[str, An
     if changes.added:
         parts.append("added " + ", ".join(changes.added))
     if changes.removed:
-        parts.append("removed " + ", ".join(changes.removed) + " (open connections refused at their next request)")
+        parts.append("removed " + ", ".join(changes.removed) + " (open connections closed)")
     if changes.quota:
         parts.append("quota " + ", ".join(f"{name} {_quota(daemon.tenants.by_name[name].quota_bytes)}"
                                           for name in changes.quota))
-    if changes.other:
-        parts.append("token, uids or admin changed for " + ", ".join(changes.other))
+    if changes.credentials:
+        parts.append("token or uids changed for " + ", ".join(changes.credentials)
+                     + " (connections opened with the old ones closed)")
+    if changes.admin:
+        parts.append("admin flag changed for " + ", ".join(changes.admin))
     return f"kvstore serve: reloaded {where}: " + "; ".join(parts) + f"; {n} tenant{_s(n)}"
 
 

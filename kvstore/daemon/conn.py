@@ -25,13 +25,14 @@ IDENTITY_CACHE = 64     # parsed identities per connection
 
 
 class Conn:
-    __slots__ = ("busy", "creds", "idents", "peer", "scratch", "shm", "shm_map", "sock", "tenant")
+    __slots__ = ("auth_generation", "busy", "creds", "idents", "peer", "scratch", "shm", "shm_map", "sock", "tenant")
 
     def __init__(self, sock: socket.socket, peer: str, creds: tuple[int, int, int] | None) -> None:
         self.sock = sock
         self.peer = peer
         self.creds = creds                       # (pid, uid, gid) of a Unix-socket peer
         self.tenant: Tenant | None = None
+        self.auth_generation = 0                 # its tenant's, at HELLO: an older one is a rotated credential's
         self.busy = False                        # serving a request (its buffers are in use)
         self.scratch = np.empty(0, dtype=np.uint8)
         self.shm: np.ndarray | None = None

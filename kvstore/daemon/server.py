@@ -258,20 +258,41 @@ class Daemon:
     def reload_tenants(self, config: Config) -> TenantChanges:
         """Make ``config``'s tenants the daemon's (SIGHUP; the rest of
         ``config`` is not looked at: it takes a restart). New tenants may
-        connect at once; a removed tenant's open connections are refused at
-        their next request and closed (a request in flight finishes), and
-        its blocks stay in the store, under their quota, untouched (added
-        again, it finds them); a changed quota is the planner's from the
-        next put on (a lower one evicts that tenant's coldest blocks as it
-        puts, never another's). A bad config raises (:class:`ConfigError`)
-        with nothing changed."""
+        connect at once; a removed tenant's open connections, and those
+        that authenticated with a token or from a uid a reload changed, are
+        closed: idle ones at once, busy ones refused at their next request
+        (the request in flight finishes). A removed tenant's blocks stay in
+        the store, under their quota, untouched (added again, it finds
+        them); a changed quota is the planner's from the next put on (a
+        lower one evicts that tenant's coldest blocks as it puts, never
+        another's). A bad config raises (:class:`ConfigError`) with nothing
+        changed; so does any reload of a daemon without tenants."""
         changes = self.tenants.reload(config.daemon)
         for tenant in self.tenants:
             if tenant.name in changes.added or tenant.name in changes.quota:
                 self.store.set_quota(tenant.owner, tenant.quota_bytes or None)
         self.store.set_owner_shares({t.owner: t.quota_bytes or None for t in self.tenants})
         self._metric_tenants[:] = list(self.tenants)
+        for conn, task in list(self._task_of.items()):
+            # an idle one would otherwise keep its buffers and segment until it timed out
+            if not conn.busy and self.revoked(conn):
+                log.info("connection %s: %s; closing it", conn.peer, self.revoked(conn))
+                task.cancel()
         return changes
+
+    @staticmethod
+    def revoked(conn: Conn) -> str:
+        """Why ``conn`` may no longer be served (a reload removed its tenant,
+        or changed the token or uids it authenticated with), or ""."""
+        ten = conn.tenant
+        if ten is None:
+            return ""
+        if ten.removed:
+            return f"tenant {ten.name} was removed from the daemon's config"
+        if conn.auth_generation != ten.auth_generation:
+            return (f"tenant {ten.name}'s token or uids changed since this connection authenticated; "
+                    "connect again with its current token")
+        return ""
 
     def tenant_label(self, tenant: Tenant) -> str:
         return tenant.name if self.config.metrics.tenant_names else tenant.label
@@ -407,6 +428,8 @@ class Daemon:
     def authenticated(self, conn: Conn) -> None:
         """A connection's HELLO succeeded (called by the handlers)."""
         self._preauth.release(conn)
+        if conn.tenant is not None:   # the credentials it showed are this generation's
+            conn.auth_generation = conn.tenant.auth_generation
 
     # -- one connection -------------------------------------------------------
     async def _serve_conn(self, conn: Conn) -> None:
@@ -459,8 +482,8 @@ class Daemon:
                 max_payload=self.config.limits.max_request_bytes)
             if ten is None and (op != Op.HELLO or meta_len > PREAUTH_META_BYTES or payload_len):
                 raise AuthFailed(f"authenticate first: one HELLO of at most {PREAUTH_META_BYTES} bytes")
-            if ten is not None and ten.removed:   # a reload dropped its tenant: no more requests (closed below)
-                raise AuthFailed(f"tenant {ten.name} was removed from the daemon's config")
+            if ten is not None and (why_revoked := self.revoked(conn)):   # by a reload (closed below)
+                raise AuthFailed(why_revoked)
             body = await self._receive(loop, conn, op, req_id, meta_len, payload_len, body_s)
             if body is None:
                 return True                     # refused and read past: the stream is in step
@@ -709,19 +732,67 @@ def serve(config: Config, ready: Callable[[Daemon], None] | None = None,
     ``ready`` runs once every listener accepts connections; ``reload`` on
     each SIGHUP, on the loop (it reads the config and calls
     :meth:`Daemon.reload_tenants`; it must not raise). Without it SIGHUP is
-    logged and ignored, never the default (which would kill the daemon)."""
+    logged and ignored. SIGHUP never has its default action (which would
+    kill the daemon) while this runs: one during the start (DRAM
+    pre-touch, NVMe scan: minutes) is applied once the daemon serves, one
+    during the drain is logged and ignored (:class:`_Hangups`)."""
+    hangups = _Hangups(reload)
+    previous = signal.signal(signal.SIGHUP, hangups.caught)
+
     async def main() -> DrainReport:
         daemon = await Daemon.start(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, (lambda: reload(daemon)) if reload is not None else
-                                (lambda: log.warning("SIGHUP: nothing to reload (no config file)")))
         if ready is not None:
             ready(daemon)
+        hangups.serving(daemon, loop)
         await stop.wait()
-        loop.remove_signal_handler(signal.SIGHUP)
+        hangups.draining = True
         return await daemon.drain()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        hangups.loop = None
+        signal.signal(signal.SIGHUP, previous)
+
+
+class _Hangups:
+    """SIGHUP for :func:`serve`, as a plain :func:`signal.signal` handler
+    rather than the loop's (``loop.remove_signal_handler``, and the loop's
+    close, put back SIG_DFL: a SIGHUP in the drain, or between the loop's
+    close and the process's exit, killed the daemon mid-flush). The handler
+    runs on the main thread between bytecodes, so it only notes the signal
+    and hands it to the loop thread-safely."""
+
+    def __init__(self, reload: Callable[[Daemon], None] | None) -> None:
+        self.reload = reload
+        self.daemon: Daemon | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.during_start = False
+        self.draining = False
+
+    def caught(self, _signum: int, _frame: object) -> None:
+        loop = self.loop
+        if loop is None:                 # still starting (or done): remembered, applied once serving
+            self.during_start = self.daemon is None
+            return
+        with contextlib.suppress(RuntimeError):     # the loop closed meanwhile: nothing left to reload
+            loop.call_soon_threadsafe(self._on_loop)
+
+    def serving(self, daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+        """The daemon serves: a SIGHUP caught during its start is applied now."""
+        self.daemon, self.loop = daemon, loop
+        if self.during_start:
+            log.warning("SIGHUP during start-up: reloading now that the daemon serves")
+            self._on_loop()
+
+    def _on_loop(self) -> None:
+        if self.draining:
+            log.warning("SIGHUP while draining: ignored")
+        elif self.reload is None:
+            log.warning("SIGHUP: nothing to reload (no config file)")
+        elif self.daemon is not None:
+            self.reload(self.daemon)

@@ -53,6 +53,7 @@ from kvstore.private_paths import create_private_file, make_private_dir, open_pr
 log = logging.getLogger("kvstore.daemon")
 
 SECRET_NAME = "daemon.secret"
+ANONYMOUS_RELOAD = "the daemon runs without tenants: a reload cannot change that; restart it"
 
 
 @dataclass(slots=True)
@@ -73,6 +74,10 @@ class Tenant:
     pins: dict[tuple[BlockKey, str], float] = field(default_factory=dict)   # (server key, holder) -> expiry
     engines: dict[str, int] = field(default_factory=dict)       # engine -> its prefix cache (tokens), oldest first
     removed: bool = False              # dropped from the config by a reload: its open connections are refused
+    # bumped by a reload that changes its token or uids: a connection records the generation it
+    # authenticated under (HELLO), and one of an older generation is refused and closed, as a removed
+    # tenant's is; a rotated credential must not live on in the connections opened with it
+    auth_generation: int = 0
     hits: int = 0
     misses: Counter = field(default_factory=Counter)          # MissReason value -> count
     lookup_blocks: int = 0
@@ -138,8 +143,13 @@ class TenantTable:
     with its token, quota, uids and admin flag updated; a new one gets its
     secret and owner tag from the same key secret as at start (so a tenant
     removed and added again finds its blocks); a removed one is marked
-    :attr:`Tenant.removed`, which the server checks at each request of its
-    open connections."""
+    :attr:`Tenant.removed`; a kept one whose token or uids changed gets a new
+    :attr:`Tenant.auth_generation`. The server closes the open connections
+    of both (idle ones at once, busy ones after their request: they are
+    refused at their next).
+
+    A daemon started without tenants (every client the anonymous admin)
+    cannot reload: who may connect at all would change, which takes a restart."""
 
     def __init__(self, config: DaemonConfig, key_secret: bytes) -> None:
         self._base = hashlib.blake2b(key_secret, digest_size=32, person=b"kvstore-daemon").digest()
@@ -173,29 +183,33 @@ class TenantTable:
 
     def reload(self, config: DaemonConfig) -> TenantChanges:
         """Make ``config``'s tenants this table's (see the class); what
-        changed. :class:`ConfigError`, the table untouched, if ``config``
-        would switch between no tenants (every client the anonymous admin)
-        and tenants: that changes who may connect at all, so it takes a restart."""
-        if not config.tenants and not self.anonymous:
+        changed. :class:`ConfigError`, the table untouched, if the daemon runs
+        without tenants (every client the anonymous admin) or ``config``
+        has none: either changes who may connect at all, so it takes a restart."""
+        if self.anonymous:
+            # checked first: "no tenants" again would otherwise install an empty table and remove
+            # the anonymous tenant itself, refusing every client of a daemon that looks healthy
+            raise ConfigError(ANONYMOUS_RELOAD)
+        if not config.tenants:
             raise ConfigError("daemon.tenants: the reloaded config has no tenants, which would let every "
                               "client in as the anonymous admin; keep at least one tenant (or restart "
                               "the daemon to run without tenants)")
-        if config.tenants and self.anonymous:
-            raise ConfigError("daemon.tenants: the daemon started without tenants (every client is the "
-                              "anonymous admin); restart it to require tokens")
         old = {t.name: (t.quota_bytes, t.admin, t.uids) for t in self}
         old_tokens = dict((name, tok) for tok, name in self._tokens)
         kept = dict(self.by_name)
         self._install(config.tenants, kept)
+        kept_names = [n for n in self.by_name if n in old]
         changes = TenantChanges(
             added=tuple(n for n in self.by_name if n not in old),
             removed=tuple(n for n in old if n not in self.by_name),
-            quota=tuple(n for n in self.by_name if n in old and old[n][0] != self.by_name[n].quota_bytes),
-            other=tuple(n for n in self.by_name if n in old and (old[n][1:] != (self.by_name[n].admin,
-                                                                                self.by_name[n].uids)
-                                                               or old_tokens[n] != self._token_of(n))))
+            quota=tuple(n for n in kept_names if old[n][0] != self.by_name[n].quota_bytes),
+            credentials=tuple(n for n in kept_names if old[n][2] != self.by_name[n].uids
+                              or old_tokens[n] != self._token_of(n)),
+            admin=tuple(n for n in kept_names if old[n][1] != self.by_name[n].admin))
         for name in changes.removed:
             kept[name].removed = True
+        for name in changes.credentials:
+            self.by_name[name].auth_generation += 1
         return changes
 
     def _token_of(self, name: str) -> bytes:
@@ -244,15 +258,18 @@ class TenantTable:
 @dataclass(frozen=True, slots=True)
 class TenantChanges:
     """What :meth:`TenantTable.reload` changed, by tenant name: added,
-    removed, quota changed, and token, uids or admin flag changed."""
+    removed, quota changed, token or uids changed (``credentials``: their
+    open connections are closed), admin flag changed (applies to open
+    connections at their next request)."""
 
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     quota: tuple[str, ...] = ()
-    other: tuple[str, ...] = ()
+    credentials: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed or self.quota or self.other)
+        return bool(self.added or self.removed or self.quota or self.credentials or self.admin)
 
 
 def _owner_tag(name: str, base: bytes) -> int:

@@ -5,13 +5,18 @@ sign the reload was applied; no sleeps).
 
 What a reload must do: a new tenant's token works at once; a removed
 tenant's token is refused on a new connection, and its open connection is
-refused at its next request; a changed quota is the one a put meets; the
-store's data is untouched; a file that does not parse, or whose tenants do
-not validate, is said with the error and the old tenants serve on.
+closed (a request on it is refused); a rotated token's open connections are
+closed the same way, and the new token works; a changed quota is the one a
+put meets; the store's data is untouched; a file that does not parse, or
+whose tenants do not validate, is said with the error and the old tenants
+serve on; a daemon without tenants refuses to reload and serves on. A SIGHUP
+never kills the daemon: not during its start (it is applied once the
+daemon serves), not during its drain (ignored).
 """
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,7 @@ from kvstore.daemon.client import RemoteConfig, RemoteStore
 from kvstore.errors import AuthFailed
 from kvstore.outcomes import PutOutcome
 from kvstore.units import format_size
+from tests.cli import test_serve_cli
 from tests.cli.test_serve_cli import BB, IDENT, Serving, blocks
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,6 +34,7 @@ TOKEN_A = "token-team-a-1"
 TOKEN_B = "token-team-b-2"
 TOKEN_C = "token-team-c-3"
 TOKEN_OPS = "token-operator-9"
+TOKEN_A_ROTATED = "token-team-a-rotated-4"
 
 
 def write_config(path: Path, tenants: str) -> None:
@@ -51,7 +58,7 @@ def tenant(name: str, token: str, quota: int | None = None, admin: bool = False)
     return text
 
 
-def client(tmp_path: Path, token: str) -> RemoteStore:
+def client(tmp_path: Path, token: str | None) -> RemoteStore:
     return RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'kv.sock'}", token=token, shm=False))
 
 
@@ -98,8 +105,8 @@ def test_sighup_adds_removes_and_requotes_tenants_and_keeps_the_data(tmp_path, d
     write_config(config, tenant("teamA", TOKEN_A, quota=64 * BB) + tenant("teamC", TOKEN_C)
                  + tenant("ops", TOKEN_OPS, admin=True))
     line = reload(d)
-    assert line == (f"kvstore serve: reloaded {config}: added teamC; removed teamB (open connections refused "
-                    f"at their next request); quota teamA {format_size(64 * BB)}; 3 tenants"), line
+    assert line == (f"kvstore serve: reloaded {config}: added teamC; removed teamB (open connections "
+                    f"closed); quota teamA {format_size(64 * BB)}; 3 tenants"), line
 
     with client(tmp_path, TOKEN_C) as c:      # the new tenant's token works
         c_keys, c_data = blocks(300, 2)
@@ -163,6 +170,106 @@ def test_tenants_from_flags_are_not_reloaded_and_the_line_says_so(tmp_path):
                              f"cannot change (put them in {config} instead); still serving the 1 tenant it had")
         with client(tmp_path, TOKEN_A) as a:
             a.lookup(blocks(1, 1)[0])
+        rc, _rest = d.stop()
+        assert rc == 0
+    finally:
+        d.kill()
+
+
+def test_a_daemon_without_tenants_refuses_a_reload_and_serves_on(tmp_path):
+    """No tenants again (or tenants now) in the file: the daemon says a reload
+    cannot change that, and its open and new connections keep working (it
+    once installed an empty table: every client refused, the process up)."""
+    config = tmp_path / "kvstore.toml"
+    write_config(config, "")
+    d = Serving(tmp_path, "--config", str(config))
+    try:
+        assert d.line().startswith("kvstore serve: listening on unix kv.sock"), "no start line"
+        keys, data = blocks(600, 2)
+        old = client(tmp_path, None)      # open across the reloads
+        assert old.put(IDENT, keys, data) == [PutOutcome.STORED] * 2
+        refusal = ("kvstore serve: SIGHUP: the daemon runs without tenants: a reload cannot change that; "
+                   "restart it; still serving every client")
+        assert reload(d) == refusal
+        write_config(config, tenant("teamA", TOKEN_A))     # tenants now: that takes a restart too
+        assert reload(d) == refusal
+        assert held(old, keys) == 2
+        old.close()
+        with client(tmp_path, None) as new:
+            assert held(new, keys) == 2
+            assert new.put(IDENT, *blocks(700, 1)) == [PutOutcome.STORED]
+        rc, _rest = d.stop()
+        assert rc == 0
+    finally:
+        d.kill()
+
+
+def test_rotating_a_token_closes_the_connections_opened_with_the_old_one(tmp_path, daemon):
+    d, config = daemon
+    a_keys, a_data = blocks(800, 2)
+    b_keys, b_data = blocks(900, 2)
+    old_a = client(tmp_path, TOKEN_A)          # both open across the reload
+    kept_b = client(tmp_path, TOKEN_B)
+    assert old_a.put(IDENT, a_keys, a_data) == [PutOutcome.STORED] * 2
+    assert kept_b.put(IDENT, b_keys, b_data) == [PutOutcome.STORED] * 2
+    write_config(config, tenant("teamA", TOKEN_A_ROTATED, quota=4 * BB) + tenant("teamB", TOKEN_B)
+                 + tenant("ops", TOKEN_OPS, admin=True))
+    assert reload(d) == (f"kvstore serve: reloaded {config}: token or uids changed for teamA (connections "
+                         "opened with the old ones closed); 3 tenants")
+    with pytest.raises(AuthFailed):            # the old token's open connection: no more requests
+        old_a.lookup(a_keys)
+    old_a.close()
+    with pytest.raises(AuthFailed):            # nor a new one
+        with client(tmp_path, TOKEN_A) as a:
+            a.lookup(a_keys)
+    with client(tmp_path, TOKEN_A_ROTATED) as a:   # the new token: the same tenant, its blocks
+        assert held(a, a_keys) == 2
+    assert held(kept_b, b_keys) == 2           # another tenant's connection is untouched
+    kept_b.close()
+    rc, _rest = d.stop()
+    assert rc == 0
+
+
+def test_sighup_while_draining_is_ignored_and_the_drain_completes(tmp_path, daemon):
+    """SIGHUPs from the SIGTERM until the process is gone: each lands before
+    the drain (a reload), in it or after it, and none may kill the daemon
+    (removing the loop's handler once put back the default action). Paced a
+    millisecond apart: a flood without pause starves the daemon of the CPU."""
+    d, _config = daemon
+    with client(tmp_path, TOKEN_B) as b:
+        assert b.put(IDENT, *blocks(1000, 4)) == [PutOutcome.STORED] * 4
+    d.proc.send_signal(signal.SIGTERM)
+    sent = 0
+    while d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGHUP)
+        sent += 1
+        time.sleep(0.001)
+    assert d.proc.wait() == 0, f"killed by signal {-d.proc.returncode} after {sent} SIGHUPs"
+    lines = []
+    while (got := d.lines.get(timeout=5)) is not None:
+        lines.append(got)
+    assert any(line.startswith("kvstore serve: drained: ") for line in lines), lines[-5:]
+
+
+def test_sighup_during_start_does_not_kill_the_daemon_and_is_applied_once_it_serves(tmp_path, monkeypatch):
+    """The SIGHUP is sent when the daemon says it pre-touched its DRAM (a
+    debug line), inside its start and before it listens; the daemon comes up,
+    reloads, and serves."""
+    monkeypatch.setattr(test_serve_cli, "ENV", {**test_serve_cli.ENV, "KVSTORE_LOG_LEVEL": "DEBUG"})
+    config = tmp_path / "kvstore.toml"
+    write_config(config, tenant("teamA", TOKEN_A))
+    d = Serving(tmp_path, "--config", str(config), "--nvme", "256MiB", "--nvme-path", "nvme")
+    try:
+        while "pre-touched" not in (line := d.line()):
+            assert not line.startswith("kvstore serve: listening"), "listening before the pre-touch line"
+        d.proc.send_signal(signal.SIGHUP)
+        while not (line := d.line()).startswith("kvstore serve: listening"):
+            pass
+        while not (line := d.line()).startswith("kvstore serve: reload"):
+            pass
+        assert line == f"kvstore serve: reloaded {config}: tenants unchanged (1)", line
+        with client(tmp_path, TOKEN_A) as a:
+            assert a.put(IDENT, *blocks(1100, 1)) == [PutOutcome.STORED]
         rc, _rest = d.stop()
         assert rc == 0
     finally:
