@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cli.test_top import row
 from tests.connectors.test_vllm import BS, HERE, ROOT, A, _driver_env, vllm_python
 from tests.daemon.test_grafana import DASHBOARD, expressions, names_in
 from tests.readme_blocks import README, Block, blocks
@@ -139,15 +140,6 @@ def counters(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
         for sample in family.samples:
             out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return out
-
-
-def row(output: str, first: str) -> list[str]:
-    """The cells of ``kvstore top``'s table row whose first cell is ``first``."""
-    for line in output.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] == first:
-            return cells
-    raise AssertionError(f"no row {first!r} in:\n{output}")
 
 
 @pytest.fixture(scope="module")
