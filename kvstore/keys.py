@@ -90,6 +90,26 @@ def _as_token_array(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
+def media_spans(spans: Iterable[tuple[str, int, int]], first_block: int, count: int,
+                block_tokens: int) -> list[list[MediaRef]]:
+    """Per block ``first_block .. first_block + count - 1``, the media inside it.
+
+    ``spans`` are the request's media items as ``(media_hash, offset,
+    length)`` over its token positions (an image's placeholder tokens); a
+    block's entry names each item overlapping it and how many of its
+    positions the item fills. The one place every connector turns engine
+    media positions into key extras (vLLM's ``mm_features``, transformers'
+    processor outputs), so they key media alike.
+    """
+    items = list(spans)
+    out: list[list[MediaRef]] = []
+    for j in range(first_block, first_block + count):
+        lo, hi = j * block_tokens, (j + 1) * block_tokens
+        out.append([MediaRef(str(h), overlap) for h, start, length in items
+                    if (overlap := min(hi, start + length) - max(lo, start)) > 0])
+    return out
+
+
 class KeyChain:
     """Incremental key builder for one sequence (a request, an agent task).
 

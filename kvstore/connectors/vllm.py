@@ -73,7 +73,10 @@ and shared by both sides in one process (see ``shared_store``).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -94,6 +97,7 @@ from kvstore.connectors._common import (
     task_after,
     task_before,
 )
+from kvstore.connectors.adapters import AdapterRevisions
 from kvstore.connectors.handoff import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_LEASED,
@@ -111,7 +115,7 @@ from kvstore.connectors.handoff import (
 from kvstore.errors import ConfigError, InvalidHint, MissingDependency
 from kvstore.groups import WHOLE_PREFIX_KINDS, GroupChains, GroupHit, GroupSavings, kept, lookup_groups, resume_points
 from kvstore.identity import CacheIdentity, KVGroup
-from kvstore.keys import BlockKey, MediaRef
+from kvstore.keys import BlockKey, MediaRef, media_spans
 from kvstore.outcomes import MissReason
 from kvstore.store.facade import Store
 
@@ -176,6 +180,7 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         model_revision=mc.revision or user.get("model_revision") or "main",
         tokenizer_id=user.get("tokenizer_id") or str(mc.tokenizer or mc.model),
         tokenizer_revision=mc.tokenizer_revision or user.get("tokenizer_revision") or "main",
+        mm_processor_version=processor_version(mc, user.get("mm_processor_version", "")),
         kv_quant="none" if cache_dtype == "auto" else cache_dtype,
         rope_theta=theta, rope_scaling=scaling, tp_size=pc.tensor_parallel_size, tp_rank=tp_rank,
         engine_extra={"vllm": vllm.__version__, "device": current_platform.device_type,
@@ -184,35 +189,112 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     return plain if len(plan.groups) == 1 else plain.replace(groups=plan.groups, group=0)
 
 
-def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any) -> CacheIdentity:
+def resolve_adapter_path(path: str) -> str | None:
+    """A LoRA path as vLLM's worker resolves it (a local directory, or a hub
+    adapter downloaded into the local cache); None where it does not."""
+    if not path:
+        return None
+    try:
+        from vllm.lora.utils import get_adapter_absolute_path
+        resolved = get_adapter_absolute_path(path)
+    except Exception as exc:          # vLLM's resolver raises what the hub raised
+        log.debug("kvstore: LoRA path %r not resolved: %s", path, exc)
+        return None
+    return resolved if os.path.exists(resolved) else None
+
+
+def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any,
+                     adapters: AdapterRevisions | None = None) -> CacheIdentity:
     """``base`` narrowed to one request: its tenant salt and its LoRA adapter.
 
     A salt set in the connector config (a deployment's tenant) is kept and
     the request's salt appended, so a request can narrow but never leave it.
+    The adapter's revision is the digest of its files as this engine loaded
+    them (``kvstore.connectors.adapters``), never its name or path alone.
     """
     salt = base.cache_salt
     if cache_salt:
         salt = f"{salt}|{cache_salt}" if salt else cache_salt
     changes: dict[str, Any] = {"cache_salt": salt}
     if lora is not None:
+        adapters = adapters or AdapterRevisions()
+        path = str(getattr(lora, "lora_path", "") or "")
         changes["adapter_id"] = str(lora.lora_name)
-        changes["adapter_revision"] = str(getattr(lora, "lora_path", "") or lora.lora_int_id)
+        changes["adapter_revision"] = adapters.revision(
+            str(lora.lora_name), int(lora.lora_int_id), path, reload=bool(getattr(lora, "load_inplace", False)))
     return base.replace(**changes)
 
 
 def media_extras(features: list[Any], first_block: int, count: int, bs: int) -> list[list[MediaRef]]:
-    """Per block, the media items (hash, overlapping token count) inside it."""
-    out: list[list[MediaRef]] = []
-    for j in range(first_block, first_block + count):
-        lo, hi = j * bs, (j + 1) * bs
-        refs = []
-        for f in features:
-            start, length = f.mm_position.offset, f.mm_position.length
-            overlap = min(hi, start + length) - max(lo, start)
-            if overlap > 0:
-                refs.append(MediaRef(str(f.identifier), overlap))
-        out.append(refs)
-    return out
+    """Per block, the media items (vLLM's content hash, overlapping token count) inside it."""
+    return media_spans(((f.identifier, f.mm_position.offset, f.mm_position.length) for f in features),
+                       first_block, count, bs)
+
+
+def prefix_lm(model_config: Any) -> bool:
+    """Whether the model attends bidirectionally over its media (vLLM's
+    ``is_mm_prefix_lm``: PaliGemma, Gemma 3, Molmo 2, ...)."""
+    return bool(getattr(model_config, "is_multimodal_model", False)
+                and getattr(model_config, "is_mm_prefix_lm", False))
+
+
+def prefix_lm_cap(features: list[Any] | None, bs: int) -> int | None:
+    """The blocks of a prefix-LM's request that may be stored or loaded:
+    those wholly before its first media item. From that item on, a token's
+    K/V depends on tokens after it (the item's span in vLLM, the whole
+    prefix in PaliGemma's own definition), which a prefix key cannot
+    cover; the causal text before it is what any engine computes."""
+    if not features:
+        return None
+    return min(f.mm_position.offset for f in features) // bs
+
+
+def _capped(blocks: int, cap: int | None) -> int:
+    return blocks if cap is None else min(blocks, cap)
+
+
+def processor_version(model_config: Any, user_value: str = "") -> str:
+    """A multimodal model's processor, as its identity field: the user's
+    ``mm_processor_version`` (if any) plus a digest of the processor's
+    config files (preprocessor_config.json, processor_config.json, ...) and
+    the engine's ``mm_processor_kwargs``, so another processor
+    configuration of one model never shares blocks that hold media. A text
+    model keeps the user's value (its keys stay as they were)."""
+    if not getattr(model_config, "is_multimodal_model", False):
+        return user_value
+    h = hashlib.sha256(b"kvstore-processor/1\0")
+    for name in PROCESSOR_FILES:
+        h.update(name.encode() + b"\0" + _model_file(model_config, name) + b"\0")
+    mm = getattr(model_config, "multimodal_config", None)
+    kwargs = getattr(mm, "mm_processor_kwargs", None) or {}
+    h.update(json.dumps(kwargs, sort_keys=True, default=repr).encode())
+    auto = "auto:" + h.hexdigest()[:32]
+    return f"{user_value}|{auto}" if user_value else auto
+
+
+# the files a Hugging Face processor is configured by
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def _model_file(model_config: Any, name: str) -> bytes:
+    """A file of the model's repository as the engine sees it (a local
+    directory, else the hub cache); b"" where it has none."""
+    model = str(model_config.model)
+    path = os.path.join(model, name)
+    if not os.path.isdir(model):
+        try:
+            from transformers.utils import cached_file
+            path = cached_file(model, name, revision=getattr(model_config, "revision", None),
+                               _raise_exceptions_for_missing_entries=False) or ""
+        except Exception as exc:     # offline and not cached: the name alone keys it
+            log.debug("kvstore: %s of %s not read: %s", name, model, exc)
+            return b""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 # -- scheduler -> worker metadata ---------------------------------------------------
@@ -260,6 +342,7 @@ class _ReqState:
     handoff_outcome: Outcome | None = None   # why that handoff cannot be taken, once checked
     loaded_tokens: int = 0                   # tokens vLLM took from the store for it
     scheduled: bool = False                  # vLLM has scheduled it (a "new" one again is a resume)
+    cap: int | None = None                   # blocks it may load or save (None: all; a prefix-LM's media)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -315,6 +398,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.requests: dict[str, _ReqState] = {}
             self.loading: list[str] = []     # async loads planned since the last build_connector_meta
             self.savings = GroupSavings()
+            self.adapters = AdapterRevisions(resolve_adapter_path)
+            self.prefix_lm = prefix_lm(vllm_config.model_config)
+            if self.prefix_lm:
+                log.info("kvstore: %s attends bidirectionally over its media (a prefix-LM): only the "
+                         "blocks before a request's first media item are stored and loaded",
+                         vllm_config.model_config.model)
             if self.declined:
                 return
             self.bases = [engine_identity(vllm_config, kv_cache_config, self.user, r, self.plan)
@@ -344,11 +433,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _state(self, request: Request) -> _ReqState:
         st = self.requests.get(request.request_id)
         if st is None:
-            idents = [request_identity(b, request.cache_salt, request.lora_request) for b in self.bases]
+            idents = [request_identity(b, request.cache_salt, request.lora_request, self.adapters)
+                      for b in self.bases]
             params = request.kv_transfer_params
             st = _ReqState(request, idents, [GroupChains(i) for i in idents],
                            followup=request_followup(params, self.guard),
-                           task=request_task(params, self.guard), produce=remote_decode(params))
+                           task=request_task(params, self.guard), produce=remote_decode(params),
+                           cap=prefix_lm_cap(request.mm_features, self.block_size) if self.prefix_lm else None)
             if remote_prefill(params):
                 self._take_handoff(st, params)
             self.requests[request.request_id] = st
@@ -399,7 +490,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # could fail the same way again and again (a store that answers
             # lookups but not reads); vLLM recomputes it instead
             return 0, False
-        st.hit = self._stored_prefix(st, request.num_tokens // self.block_size)
+        st.hit = self._stored_prefix(st, _capped(request.num_tokens // self.block_size, st.cap))
         if st.hit.reason is not None:
             log.debug("kvstore: %s hits %d blocks of %d the full-attention groups hold (%s)",
                       request.request_id, st.hit.blocks, st.hit.whole, st.hit.reason.value)
@@ -499,7 +590,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.saves:
             return
         held_ids = min(len(ids) for ids in st.block_ids) if st.block_ids else 0
-        sealed = min(computed_after, st.request.num_tokens, held_ids * self.block_size) // self.block_size
+        sealed = _capped(min(computed_after, st.request.num_tokens, held_ids * self.block_size)
+                         // self.block_size, st.cap)
         if sealed <= st.saved_upto:
             return
         self._extend(st, sealed)
@@ -601,7 +693,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
             count("producer", Outcome.ABORTED)      # aborted or errored: the decode leg never comes
             return None
-        sealed = request.num_prompt_tokens // self.block_size
+        sealed = _capped(request.num_prompt_tokens // self.block_size, st.cap)
         held = self._stored_prefix(st, sealed).blocks      # a probe: what the saves left in the store
         keys = self._handoff_keys(st, held)
         hid, salt, now = new_id(), st.identities[0].cache_salt, time.time()

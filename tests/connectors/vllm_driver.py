@@ -24,6 +24,14 @@ consumer engine start while its producer runs, then releases it); ``abort``
 runs one engine step of a request and aborts it (vLLM's abort path: the
 connector sees it finish as FINISHED_ABORTED).
 
+An engine may name its own ``"model"`` directory and extra ``LLM`` arguments
+in ``"llm"`` (``{"enable_lora": true, "max_lora_rank": 8}``,
+``{"limit_mm_per_prompt": {"image": 1}}``, ...). A generate step may give a
+text ``"prompt"`` instead of ``"tokens"``, ``"images"`` (PNG paths) and
+``"mm_kwargs"`` (the request's multimodal processor kwargs), and
+``"lora": {"name": str, "id": int, "path": DIR}`` (vLLM's LoRARequest); its
+output carries the engine's ``"prompt_tokens"`` (placeholders expanded).
+
 A generate step may ask for ``"logprobs": true`` (each output token's
 logprob, as ``logprobs``), and carry ``kv_transfer_params`` as ``"kv"``, or
 as ``"kv_from": [engine, id]``: the params an earlier engine's output
@@ -208,6 +216,32 @@ def _params(step: dict, previous: dict, params_from: str | None) -> dict | None:
     return params
 
 
+def _prompt(step: dict) -> dict:
+    """A generate step's prompt: token ids, or a text ``prompt`` (which vLLM
+    tokenizes; a multimodal prompt names its placeholders in text), with its
+    ``images`` (PNG paths, loaded with PIL), ``mm_kwargs`` (the request's
+    processor kwargs) and cache salt."""
+    prompt: dict = {"prompt": step["prompt"]} if "prompt" in step else {"prompt_token_ids": step["tokens"]}
+    if step.get("images"):
+        from PIL import Image
+        images = [Image.open(p).convert("RGB") for p in step["images"]]
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+    if step.get("mm_kwargs"):
+        prompt["mm_processor_kwargs"] = step["mm_kwargs"]
+    if step.get("salt"):
+        prompt["cache_salt"] = step["salt"]
+    return prompt
+
+
+def _lora(step: dict) -> object | None:
+    """A generate step's ``"lora": {"name", "id", "path"}`` as vLLM's LoRARequest."""
+    if not step.get("lora"):
+        return None
+    from vllm.lora.request import LoRARequest
+    lora = step["lora"]
+    return LoRARequest(lora["name"], lora["id"], lora["path"])
+
+
 def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -221,10 +255,12 @@ def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
             kv_connector_extra_config=spec["connector"], **path)
     if spec.get("probe"):
         kw["worker_extension_cls"] = "vllm_driver.KVStoreProbe"
-    llm = LLM(model=model, dtype="float32", block_size=32, max_model_len=512, max_num_seqs=4,
-              enforce_eager=True, seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
-              # scheduler and worker in the EngineCore process: they share one store
-              distributed_executor_backend="uni", **kw)
+    args = {"dtype": "float32", "block_size": 32, "max_model_len": 512, "max_num_seqs": 4,
+            "enforce_eager": True, "seed": 0, "enable_prefix_caching": spec.get("prefix_caching", True),
+            # scheduler and worker in the EngineCore process: they share one store
+            "distributed_executor_backend": "uni", **kw}
+    args.update(spec.get("llm") or {})
+    llm = LLM(model=spec.get("model") or model, **args)
     results: dict = {}
     try:
         for step in spec["steps"]:
@@ -263,17 +299,16 @@ def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
                     engine.step()
                 results[step["id"]] = {"aborted": True}
                 continue
-            prompt = {"prompt_token_ids": step["tokens"]}
-            if step.get("salt"):
-                prompt["cache_salt"] = step["salt"]
+            prompt = _prompt(step)
             kv = _params(step, previous or {}, spec.get("params_from"))
             params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
                                     ignore_eos=True, logprobs=1 if step.get("logprobs") else None,
                                     extra_args={"kv_transfer_params": kv} if kv else None)
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            out = llm.generate([prompt], params, use_tqdm=False, lora_request=_lora(step))[0]
             got = out.outputs[0]
             results[step["id"]] = {"tokens": list(got.token_ids), "cached": out.num_cached_tokens or 0,
-                                   "kv": out.kv_transfer_params}
+                                   "kv": out.kv_transfer_params,
+                                   "prompt_tokens": list(out.prompt_token_ids or [])}
             if step.get("logprobs"):
                 results[step["id"]]["logprobs"] = [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]
     finally:

@@ -1,0 +1,93 @@
+"""An adapter's revision is the digest of its files, read once per adapter id.
+
+kvstore.connectors.adapters without an engine: real files in a temp dir. The
+end to end (a real vLLM serving random LoRA adapters through the daemon) is
+tests/connectors/test_vllm_lora.py.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstore.connectors.adapters import MAX_ADAPTER_FILES, AdapterRevisions, adapter_digest
+
+
+def write_adapter(d: Path, weights: bytes, config: str = '{"r": 8}') -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(config)
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return d
+
+
+def test_the_digest_follows_the_bytes_not_the_path(tmp_path):
+    a = write_adapter(tmp_path / "a", os.urandom(4096))
+    same = write_adapter(tmp_path / "elsewhere", (a / "adapter_model.safetensors").read_bytes())
+    assert adapter_digest(str(a)) == adapter_digest(str(same))
+    before = adapter_digest(str(a))
+    data = bytearray((a / "adapter_model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 1                          # one bit of one weight
+    (a / "adapter_model.safetensors").write_bytes(bytes(data))
+    assert adapter_digest(str(a)) != before
+    write_adapter(same, bytes(data), config='{"r": 16}')   # another config, same weights
+    assert adapter_digest(str(same)) != adapter_digest(str(a))
+
+
+def test_a_file_moved_between_names_changes_the_digest(tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "x").write_bytes(b"ab")
+    (one / "y").write_bytes(b"")
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "x").write_bytes(b"")
+    (two / "y").write_bytes(b"ab")
+    assert adapter_digest(str(one)) != adapter_digest(str(two))
+
+
+def test_subdirectories_are_not_read_and_too_many_files_is_refused(tmp_path):
+    a = write_adapter(tmp_path / "a", b"w" * 100)
+    before = adapter_digest(str(a))
+    (a / "checkpoint-1").mkdir()
+    (a / "checkpoint-1" / "optimizer.pt").write_bytes(b"junk")
+    assert adapter_digest(str(a)) == before
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(MAX_ADAPTER_FILES + 1):
+        (big / f"f{i}").write_bytes(b"")
+    with pytest.raises(ValueError, match="more than an adapter's"):
+        adapter_digest(str(big))
+
+
+def test_revision_is_read_once_per_id_and_again_on_reload(tmp_path):
+    a = write_adapter(tmp_path / "a", b"old" * 1000)
+    revs = AdapterRevisions()
+    first = revs.revision("sql", 1, str(a))
+    assert first.startswith("sha256:")
+    write_adapter(a, b"new" * 1000)
+    # the engine still holds id 1's old weights: the key must not change under it
+    assert revs.revision("sql", 1, str(a)) == first
+    # a reload under a new id reads the files again
+    second = revs.revision("sql", 2, str(a))
+    assert second != first
+    # vLLM's load_inplace re-reads under the same id, and the id keeps the new digest
+    write_adapter(a, b"newer" * 1000)
+    third = revs.revision("sql", 1, str(a), reload=True)
+    assert third not in (first, second)
+    assert revs.revision("sql", 1, str(a)) == third
+    # another engine that loaded the same files agrees, whatever its ids
+    assert AdapterRevisions().revision("renamed-id", 7, str(a)) == third
+
+
+def test_an_unreadable_adapter_is_reusable_only_in_this_process_and_id(tmp_path, caplog):
+    revs = AdapterRevisions()
+    missing = str(tmp_path / "nope")
+    r1 = revs.revision("x", 1, missing)
+    assert r1.startswith("unread:") and revs.revision("x", 1, missing) == r1
+    assert revs.revision("x", 2, missing) != r1               # another id: another revision
+    assert AdapterRevisions().revision("x", 1, missing) != r1  # another process: never shared
+    assert "could not be read" in caplog.text
+    unresolved = AdapterRevisions(resolve=lambda p: None)
+    a = write_adapter(tmp_path / "a", b"w")
+    assert unresolved.revision("x", 1, str(a)).startswith("unread:")
