@@ -54,7 +54,10 @@ esac
 pip_run "upgrade pip" "$PY" -m pip install --quiet --upgrade pip
 # torch pinned to the CPU build that installs from a local file here; a plain
 # `torch` would pull a multi-GB CUDA build.
-pip_run "torch (CPU), transformers" "$PY" -m pip install --quiet "torch==2.13.0" transformers
+# peft and pillow: the transformers connector's adapter and image tests
+# (tests/connectors/test_hf_identity.py) build a LoRA and images with them.
+pip_run "torch (CPU), transformers, peft, pillow" "$PY" -m pip install --quiet "torch==2.13.0" transformers \
+    peft pillow
 pip_run "this project (editable) and its test tools" "$PY" -m pip install --quiet -e '.[test]'
 # SGLang: only its HiCacheStorage interface is needed; its declared pins clash
 # with the CPU torch, so install it without dependencies plus the modules its

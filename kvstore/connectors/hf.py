@@ -48,14 +48,43 @@ serve it (:mod:`kvstore.groups`; a shorter hit says ``partial_group``):
   holding two kinds at once): :func:`identity_for_model` raises ConfigError,
   rather than store a state it cannot restore exactly.
 
+Media (image-text models). An image enters the prompt as placeholder
+tokens whose ids are the same whatever the image, so the tokens alone would
+let two images share K/V. ``load``, ``save``, ``prefill`` and ``keys`` take
+``media=[(media_hash, offset, length), ...]`` (one span per image over its
+placeholder positions; :func:`image_spans` builds them from a processor's
+output) and key each block with the media it overlaps
+(:func:`kvstore.keys.media_spans`, as vLLM's connector does). The hash is
+taken over the processor's output for the item (:func:`media_hash`), not
+the raw image: what the model sees is the processor's output, so the
+processor's version and config (resize, crop, normalization) are covered by
+construction, while two files that process to the same pixels rightly
+share. A restore never ends inside an image (a transformers model encodes
+an image whole). Fail closed: when the model's config names a media token
+(``image_token_id`` / ``image_token_index``, video, audio) and a sequence
+holds one that no span covers, nothing is loaded or saved for it (logged
+once; ``Restored.declined`` says why), never keyed by tokens alone. A
+prefix-LM model (PaliGemma, Gemma 3, ...: tokens attend to media after
+them) stores and loads only the blocks before its first media item, as
+vLLM's connector does.
+
+Adapters. :func:`identity_for_model` of a peft model derives ``adapter_id``
+(the active adapter names) and ``adapter_revision`` (a digest of their
+config and weights) unless given; ``prefill`` refuses a model whose active
+adapters are no longer the identity's (after ``set_adapter``: build a new
+identity).
+
 Blocking; call from one thread per ``HFPrefixCache`` (the store itself is
 thread-safe). Batch size 1: one sequence per call.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -79,7 +108,7 @@ from kvstore.groups import (
     window_blocks,
 )
 from kvstore.identity import DTYPE_BYTES, CacheIdentity, KVGroup, KVLayout
-from kvstore.keys import BlockKey, block_keys
+from kvstore.keys import BlockExtras, BlockKey, block_keys, media_spans
 from kvstore.outcomes import MissReason, PutOutcome
 from kvstore.policies.base import check_followup
 from kvstore.sessions.task import TaskSession
@@ -89,6 +118,8 @@ try:
     import torch
 except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise MissingDependency("kvstore.connectors.hf", pip_extra("hf")) from exc
+
+log = logging.getLogger("kvstore.connectors.hf")
 
 # transformers 5 layer_types -> our group kinds; layers of no state ("dummy",
 # "moe", "mlp": a KV-sharing consumer or a layer without attention) join no group
@@ -110,12 +141,20 @@ def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = 
     Layout, dtype, RoPE and the attention implementation come from the model;
     revisions, adapter, chat template and tenant salt from the caller (a model
     loaded from a local directory has no trustworthy revision of its own).
+    A peft model's adapter is derived (:func:`peft_adapter`) unless
+    ``adapter_revision`` is given.
     A model of more than one kind of layer (``layer_types``) gets a grouped
     identity, one group per kind (see the module docstring); a kind this
     connector cannot restore exactly raises ConfigError.
     """
     cfg = _text_config(model.config)
     theta, scaling = rope_fields(cfg)
+    if _is_peft(model) and not adapter_revision:
+        names, digest = peft_adapter(model) if _active_adapters(model) else ("", "")
+        if adapter_id and adapter_id != names:
+            raise ConfigError(f"adapter_id {adapter_id!r} is not the model's active adapter(s) "
+                              f"{names or 'none'!r}; give adapter_revision too to key it as you name it")
+        adapter_id, adapter_revision = names, digest
     revision = model_revision or getattr(model.config, "_commit_hash", None) or "local"
     groups = model_groups(cfg, block_tokens=block_tokens, dtype=dtype_name(dtype or model.dtype))
     fields = build_identity(
@@ -134,6 +173,158 @@ def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = 
 _IDENTITY_FIELDS = ("model_id", "model_revision", "tokenizer_id", "tokenizer_revision", "kv_quant",
                     "rope_theta", "rope_scaling", "adapter_id", "adapter_revision",
                     "chat_template_revision", "cache_salt", "key_hash", "extra")
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _active_adapters(model: Any) -> list[str]:
+    """The adapters a peft model runs now: none inside ``disable_adapter()``."""
+    if getattr(model, "_adapters_disabled", False):
+        return []
+    names = getattr(model, "active_adapters", None)
+    names = names() if callable(names) else names
+    if names is None:
+        names = [getattr(model, "active_adapter", "")]
+    return [str(n) for n in ([names] if isinstance(names, str) else names) if n]
+
+
+def peft_adapter(model: Any) -> tuple[str, str]:
+    """(adapter_id, adapter_revision) of a peft model's active adapters: their
+    names, and a sha256 over each one's config and weights (the bytes, dtype
+    and shape of every tensor of ``get_peft_model_state_dict``), so another
+    adapter, the same one retrained, or another rank or scaling keys apart.
+    ConfigError when no adapter is active (key the base model instead)."""
+    from peft import get_peft_model_state_dict
+
+    names = _active_adapters(model)
+    if not names:
+        raise ConfigError("the peft model has no active adapter; pass the base model")
+    h = hashlib.sha256(b"kvstore-peft-adapter-v1")
+    for name in names:
+        conf = model.peft_config[name]
+        conf = conf.to_dict() if hasattr(conf, "to_dict") else dict(vars(conf))
+        h.update(json.dumps([name, conf], sort_keys=True, default=str).encode())
+        state = get_peft_model_state_dict(model, adapter_name=name)
+        for key in sorted(state):
+            t = state[key].detach().cpu().contiguous()
+            h.update(json.dumps([key, str(t.dtype), list(t.shape)]).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return ",".join(names), h.hexdigest()[:32]
+
+
+# the processor's text fields: everything else of its output is media
+_TEXT_FIELDS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
+                          "position_ids", "special_tokens_mask", "offset_mapping", "length"})
+# models whose tokens attend to media after them (bidirectionally over an
+# image, or over the whole prompt prefix): vLLM's is_mm_prefix_lm models
+_PREFIX_LM_MODELS = frozenset({"paligemma", "gemma3", "gemma3n", "molmo2"})
+# config fields naming a media placeholder token
+_MEDIA_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                       "audio_token_id", "audio_token_index")
+
+
+def media_token_ids(config: Any) -> frozenset[int]:
+    """The placeholder token ids a model's config names (image, video, audio)."""
+    out = set()
+    for name in _MEDIA_TOKEN_FIELDS:
+        v = getattr(config, name, None) if config is not None else None
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            out.add(v)
+    return frozenset(out)
+
+
+def _field_items(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    return value
+
+
+def _digest_value(h: Any, name: str, value: Any) -> None:
+    value = _field_items(value)
+    if isinstance(value, torch.Tensor):
+        t = value.contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(json.dumps([name, value], sort_keys=True, default=repr).encode())
+
+
+def _item_rows(output: Any, name: str, value: Any, count: int) -> list[Any] | None:
+    """``value`` split into ``count`` per-item parts, or None when it cannot
+    be (then the whole field keys every item: more keys, never fewer)."""
+    value = _field_items(value)
+    if isinstance(value, torch.Tensor) and value.ndim:
+        grid = output.get("image_grid_thw") if name == "pixel_values" and hasattr(output, "get") else None
+        if grid is not None and value.shape[0] != count:     # Qwen-VL: patches of all images, by grid
+            sizes = _field_items(grid).prod(-1).tolist()
+            if len(sizes) == count and sum(sizes) == value.shape[0]:
+                return list(torch.split(value, sizes))
+        return list(value) if value.shape[0] == count else None
+    if isinstance(value, (list, tuple)):
+        return list(value) if len(value) == count else None
+    return None
+
+
+def media_hash(output: Any, index: int = 0, count: int = 1) -> str:
+    """The hash of media item ``index`` of ``count`` in a processor's output
+    (a BatchFeature or mapping): sha256 over the item's part of every
+    non-text field (``pixel_values``, ``image_sizes``, ``image_grid_thw``, ...),
+    each with its name, dtype and shape. Another image, the same image at
+    another size, or another processor config (size, crop, normalization)
+    changes what the processor outputs and so the hash; that is why the
+    output is hashed, not the raw image. A field that cannot be split per
+    item keys every item whole (two images then key together: fewer hits,
+    never a wrong one)."""
+    if not 0 <= index < count:
+        raise ConfigError(f"media index {index} out of {count}")
+    h = hashlib.sha256(b"kvstore-hf-media-v1")
+    fields = sorted(k for k in output.keys() if k not in _TEXT_FIELDS)
+    if not fields:
+        raise ConfigError("the processor output holds no media fields (pixel_values, ...)")
+    for name in fields:
+        rows = _item_rows(output, name, output[name], count)
+        if rows is None:
+            _digest_value(h, f"{name}[*]", output[name])
+        else:
+            _digest_value(h, name, rows[index])
+    return h.hexdigest()
+
+
+def image_spans(output: Any, image_token_id: int, input_ids: Any = None) -> list[tuple[str, int, int]]:
+    """``media`` spans for ``HFPrefixCache`` from a processor's output: one
+    ``(media_hash, offset, length)`` per contiguous run of ``image_token_id``
+    in ``input_ids`` (the output's own by default), in order, run ``i``
+    keyed by image ``i`` of the output (:func:`media_hash`). When the runs
+    are not one per image (two images side by side, an image split into
+    tiles with text between) every run is keyed by all the output's media
+    and its place: fewer hits, never a wrong one."""
+    ids = _tokens(output["input_ids"] if input_ids is None else input_ids)
+    runs: list[tuple[int, int]] = []
+    for i in np.flatnonzero(ids == image_token_id).tolist():
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    count = _media_count(output)
+    if count == len(runs):
+        return [(media_hash(output, i, count), start, n) for i, (start, n) in enumerate(runs)]
+    whole = media_hash(output, 0, 1)
+    return [(f"{whole}:{i}", start, n) for i, (start, n) in enumerate(runs)]
+
+
+def _media_count(output: Any) -> int:
+    """How many images a processor output holds (-1 when it does not say)."""
+    for name in ("image_grid_thw", "image_sizes", "pixel_values"):
+        value = _field_items(output[name]) if name in output else None
+        if isinstance(value, torch.Tensor) and value.ndim:
+            if name == "pixel_values" and value.ndim < 4:    # flattened patches: no image axis
+                continue
+            return int(value.shape[0])
+    return -1
 
 
 def model_groups(cfg: Any, *, block_tokens: int, dtype: str) -> tuple[KVGroup, ...]:
@@ -202,7 +393,8 @@ def _text_config(config: Any) -> Any:
 def cache_kwarg(model: Any) -> str:
     """Name of the forward() argument that takes the cache: ``cache`` in
     transformers 5, ``past_key_values`` before."""
-    params = inspect.signature(model.forward).parameters
+    base = model.get_base_model() if _is_peft(model) else model   # peft passes it through
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -222,6 +414,7 @@ class Restored:
     misses: list[MissReason | None] = field(default_factory=list)
     branch: int = 0
     reason: MissReason | None = None
+    declined: str = ""          # why nothing was looked up (media tokens without media)
 
 
 class HFPrefixCache:
@@ -232,11 +425,17 @@ class HFPrefixCache:
     object copies bytes in and out and keeps no tensors. ``config`` (the
     model's config) is needed for a model of sliding-window or recurrent
     layers; ``checkpoint_blocks`` adds a resume point every that many blocks
-    (see :func:`kvstore.groups.resume_points`).
+    (see :func:`kvstore.groups.resume_points`). ``media_tokens``: the
+    placeholder ids of media (default: those ``config`` names, see
+    :func:`media_token_ids`); a sequence holding one is keyed only with
+    ``media`` spans covering it, or not at all. ``prefix_lm`` (default: the
+    config's model type is one): only blocks before the first media item
+    are stored or loaded.
     """
 
     def __init__(self, store: Store, identity: CacheIdentity, *, config: Any = None,
-                 checkpoint_blocks: int = 0) -> None:
+                 checkpoint_blocks: int = 0, media_tokens: Iterable[int] | None = None,
+                 prefix_lm: bool | None = None) -> None:
         if identity.layout.attention == "mla" or any(g.kind in ("mla", "indexer") for g in identity.groups):
             raise ConfigError("the transformers connector stores K and V; MLA models are not supported")
         if not isinstance(checkpoint_blocks, int) or checkpoint_blocks < 0:
@@ -255,14 +454,70 @@ class HFPrefixCache:
         self._state_shapes = _state_shapes(_text_config(config)) \
             if any(g.kind == "recurrent" for g in self.groups) else None
         self._dtype = getattr(torch, identity.layout.dtype)
+        self.media_tokens = frozenset(int(t) for t in media_tokens) if media_tokens is not None \
+            else media_token_ids(config)
+        self.prefix_lm = prefix_lm if prefix_lm is not None else \
+            getattr(config, "model_type", None) in _PREFIX_LM_MODELS
+        self._warned = False
 
-    def keys(self, input_ids: Any) -> list[BlockKey]:
-        """Group 0's keys (a plain model's only keys)."""
-        return block_keys(self.identity, _tokens(input_ids))
+    def keys(self, input_ids: Any, *, media: Sequence[tuple[str, int, int]] | None = None
+             ) -> list[BlockKey]:
+        """Group 0's keys (a plain model's only keys); none for a sequence
+        whose media tokens ``media`` does not cover."""
+        tokens = _tokens(input_ids)
+        if self._declined(tokens, media):
+            return []
+        return block_keys(self.identity, tokens, self._extras(tokens, media, len(tokens)))
 
-    def group_keys(self, input_ids: Any) -> list[list[BlockKey]]:
+    def group_keys(self, input_ids: Any, *, media: Sequence[tuple[str, int, int]] | None = None
+                   ) -> list[list[BlockKey]]:
         """Each group's keys of the sealed blocks of ``input_ids``."""
-        return [c.keys for c in _chains(self.identity, _tokens(input_ids)).chains]
+        tokens = _tokens(input_ids)
+        if self._declined(tokens, media):
+            return [[] for _ in self.groups]
+        return [c.keys for c in _chains(self.identity, tokens, self._extras(tokens, media, len(tokens))).chains]
+
+    # -- media -------------------------------------------------------------------
+    def _declined(self, tokens: np.ndarray, media: Sequence[tuple[str, int, int]] | None) -> str:
+        """Why ``tokens`` cannot be keyed (a media token no span covers), or ""."""
+        if not self.media_tokens and not media:
+            return ""
+        covered = np.zeros(len(tokens), dtype=bool)
+        for item in media or ():
+            h, start, length = _span_of(item)
+            if start + length > len(tokens):
+                raise ConfigError(f"media span ({h[:16]}, {start}, {length}) runs past the "
+                                  f"{len(tokens)} tokens")
+            covered[start:start + length] = True
+        if not self.media_tokens:
+            return ""
+        bare = np.isin(tokens, np.fromiter(self.media_tokens, dtype=np.int64)) & ~covered
+        if not bare.any():
+            return ""
+        why = (f"{int(bare.sum())} media placeholder token(s) from position "
+               f"{int(np.flatnonzero(bare)[0])} have no media span: not keyed by tokens alone")
+        if not self._warned:
+            self._warned = True
+            log.warning("hf: %s (pass media=image_spans(...)); nothing loaded or saved", why)
+        return why
+
+    def _extras(self, tokens: np.ndarray, media: Sequence[tuple[str, int, int]] | None,
+                upto: int) -> Sequence[BlockExtras] | None:
+        """Per sealed block of ``tokens[:upto]``, the media it overlaps."""
+        if not media:
+            return None
+        B = self.identity.layout.block_tokens
+        return media_spans([_span_of(m) for m in media], 0, min(upto, len(tokens)) // B, B)
+
+    def _media_cut(self, blocks: int, media: Sequence[tuple[str, int, int]] | None) -> int:
+        """``blocks``, cut back so the prefix does not end inside a media item
+        (a prefix-LM's: ends before its first)."""
+        B = self.identity.layout.block_tokens
+        for item in media or ():
+            _, start, length = _span_of(item)
+            if start < blocks * B < start + length or (self.prefix_lm and start < blocks * B):
+                blocks = min(blocks, start // B)
+        return blocks
 
     def new_cache(self) -> Any:
         """An empty DynamicCache for this model whose sliding-window layers
@@ -281,7 +536,8 @@ class HFPrefixCache:
     # -- save -----------------------------------------------------------------
     def save(self, input_ids: Any, cache: Any, *, skip: int = 0, branch: int = 0,
              states: dict[int, list[np.ndarray]] | None = None, task: TaskSession | None = None,
-             step: str | None = None) -> list[PutOutcome]:
+             step: str | None = None, media: Sequence[tuple[str, int, int]] | None = None
+             ) -> list[PutOutcome]:
         """Store the sealed blocks of ``input_ids`` that ``cache`` holds and
         the keep rule keeps (full attention: every block).
 
@@ -293,13 +549,19 @@ class HFPrefixCache:
         a prefix costs a copy but changes nothing. With ``task`` (a
         ``store.task_session(...)``) every record of the prefix, restored ones
         too, becomes that task's ``step`` (idempotent: a re-saved step holds
-        nothing more).
+        nothing more). ``media``: the sequence's media spans (see the module
+        docstring); a sequence with uncovered media tokens saves nothing.
         """
         tokens = _tokens(input_ids)
+        if self._declined(tokens, media):
+            self._trim(cache, 0)
+            return []
         B = self.identity.layout.block_tokens
         held = min(len(tokens), int(cache.get_seq_length()))
         end = held // B
-        chains = _chains(self.identity, tokens[:end * B])
+        if self.prefix_lm and media:
+            end = min(end, self._media_cut(end, media))
+        chains = _chains(self.identity, tokens[:end * B], self._extras(tokens, media, end * B))
         points = resume_points(end, branch, self.checkpoint_blocks)
         states = dict(states or {})
         # the cache's own state is the state at `end` only when the cache ends
@@ -399,7 +661,8 @@ class HFPrefixCache:
 
     # -- load -----------------------------------------------------------------
     def load(self, input_ids: Any, *, max_tokens: int | None = None,
-             followup: float | None = None) -> Restored:
+             followup: float | None = None,
+             media: Sequence[tuple[str, int, int]] | None = None) -> Restored:
         """Restore the longest stored prefix of ``input_ids`` into a new DynamicCache.
 
         At most ``len(input_ids) - 1`` tokens (or ``max_tokens``) are restored,
@@ -407,14 +670,19 @@ class HFPrefixCache:
         ``followup``: the caller's probability in [0, 1] that this context
         will be sent again (see ``PlacementPolicy.on_request``), or None. A
         bad value is the caller's bug, not a store failure: it raises
-        InvalidHint before the store is asked.
+        InvalidHint before the store is asked. ``media``: the sequence's
+        media spans; the prefix never ends inside one, and a sequence with
+        uncovered media tokens restores nothing (``declined`` says why).
         """
         followup = check_followup(followup)
         tokens = _tokens(input_ids)
         B = self.identity.layout.block_tokens
+        declined = self._declined(tokens, media)
+        if declined:
+            return Restored(self.new_cache(), 0, 0, 0, declined=declined)
         limit = len(tokens) - 1 if max_tokens is None else min(max_tokens, len(tokens))
-        upto = max(limit, 0) // B
-        chains = _chains(self.identity, tokens[:upto * B])
+        upto = self._media_cut(max(limit, 0) // B, media)
+        chains = _chains(self.identity, tokens[:upto * B], self._extras(tokens, media, upto * B))
         hit = self.guard.call("lookup", lambda: lookup_groups(self.store, chains, upto, followup=followup),
                               GroupHit(0, 0, None)) if upto else GroupHit(0, 0, None)
         n = hit.blocks
@@ -492,16 +760,31 @@ class HFPrefixCache:
 
     # -- both -------------------------------------------------------------------
     def prefill(self, model: Any, input_ids: Any, *, followup: float | None = None,
-                task: TaskSession | None = None, step: str | None = None) -> tuple[Any, Any, Restored]:
+                task: TaskSession | None = None, step: str | None = None,
+                media: Sequence[tuple[str, int, int]] | None = None,
+                model_inputs: dict[str, Any] | None = None) -> tuple[Any, Any, Restored]:
         """Load the longest stored prefix, run ``model`` over the rest and save:
         returns (logits of the tokens computed, the cache, what was restored).
 
         A model with a recurrent group runs the rest in chunks that end at
-        the resume points, to store its state there; others in one pass."""
+        the resume points, to store its state there; others in one pass.
+        ``media`` as for ``load``; ``model_inputs`` (``pixel_values``, ...:
+        the processor's media fields) go to the model with the part computed
+        when it holds media, and then the restore stops before the first
+        media item, so the model gets every item it is given the features of."""
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(_tokens(input_ids))
         ids = ids.reshape(1, -1)
         B = self.identity.layout.block_tokens
-        restored = self.load(ids, followup=followup)
+        self._check_adapter(model)
+        restored = self.load(ids, followup=followup, media=media)
+        if media and model_inputs:
+            spans = [_span_of(m) for m in media]
+            done = [start + n <= restored.num_tokens for _, start, n in spans]
+            if any(done) and not all(done):
+                # the model encodes every image it is given the features of, or
+                # none: restore only what precedes the first image
+                restored = self.load(ids, followup=followup, media=media,
+                                     max_tokens=min(start for _, start, _ in spans))
         S = ids.shape[1]
         stops = [S]
         if self._state_shapes is not None:
@@ -509,24 +792,64 @@ class HFPrefixCache:
             stops = sorted({p * B for p in points if p > restored.num_blocks} | {S})
         cache, pos, logits, states = restored.cache, restored.num_tokens, [], {}
         kw = {cache_kwarg(model): cache, "use_cache": True}
+        extra = dict(model_inputs or {})
         with torch.no_grad():
             for stop in stops:
                 if stop > pos:
-                    logits.append(model(ids[:, pos:stop], **kw).logits)
+                    part = ids[:, pos:stop]
+                    if model_inputs is None and self.media_tokens and bool(
+                            np.isin(_tokens(part), list(self.media_tokens)).any()):
+                        raise ConfigError("the part to compute holds media tokens: pass the "
+                                          "processor's media fields as model_inputs")
+                    media_here = bool(extra) and (not self.media_tokens or bool(
+                        np.isin(_tokens(part), list(self.media_tokens)).any()))
+                    logits.append(model(part, **kw, **(extra if media_here else {})).logits)
+                    if media_here:
+                        extra = {}                      # each item encoded once
                     pos = stop
                 if stop % B == 0 and self._state_shapes is not None:
                     states[stop // B] = self._snapshot(cache)
         self.save(ids, cache, skip=restored.num_blocks, branch=restored.branch, states=states,
-                  task=task, step=step)
+                  task=task, step=step, media=media)
         return torch.cat(logits, dim=1), cache, restored
 
+    def _check_adapter(self, model: Any) -> None:
+        """A peft model must still run the adapters its identity names."""
+        if not _is_peft(model):
+            if self.identity.adapter_id and hasattr(model, "peft_config"):
+                raise ConfigError("the model's adapters are not a peft model's; pass adapter_id yourself")
+            return
+        active = ",".join(_active_adapters(model))
+        if active != self.identity.adapter_id:
+            raise ConfigError(f"the model runs adapter(s) {active!r} but this cache's identity is of "
+                              f"{self.identity.adapter_id!r}: build an identity for it "
+                              "(identity_for_model) and a cache of that identity")
 
-def _chains(identity: CacheIdentity, tokens: np.ndarray) -> GroupChains:
-    """Every group's key chain over ``tokens`` (KeyChain takes the array as is)."""
+
+def _chains(identity: CacheIdentity, tokens: np.ndarray,
+            extras: Sequence[BlockExtras] | None = None) -> GroupChains:
+    """Every group's key chain over ``tokens`` (KeyChain takes the array as
+    is), block j keyed with ``extras[j]``, the media it overlaps."""
     chains = GroupChains(identity)
     for chain in chains.chains:
-        chain.extend(tokens)
+        chain.extend(tokens, extras)
     return chains
+
+
+def _span_of(item: Any) -> tuple[str, int, int]:
+    """A media span checked: (non-empty hash, offset >= 0, length >= 1)."""
+    try:
+        h, start, length = item
+    except (TypeError, ValueError):
+        raise ConfigError(f"a media span is (media_hash, offset, length), got {item!r}"[:200]) from None
+    if not isinstance(h, str) or not h:
+        raise ConfigError("a media span's hash must be a non-empty string")
+    for v in (start, length):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise ConfigError(f"a media span's offset and length are ints, got {item!r}"[:200])
+    if start < 0 or length < 1:
+        raise ConfigError(f"a media span needs offset >= 0 and length >= 1, got {item!r}"[:200])
+    return h, int(start), int(length)
 
 
 def _span(cache: Any, li: int) -> tuple[int, int]:

@@ -21,6 +21,21 @@ digest (model, revision, dtype, layout, TP / PP / CP shard, host-pool layout,
 user fields), so pages of another model, shard or layout can never match even
 when SGLang's own hashes do. Prefix semantics come from SGLang's chain.
 
+What SGLang's page hash carries (sglang 0.5.23, ``get_storage_hash_str``):
+the tokens, with each image's placeholders replaced by pad values derived
+from the image's feature hash; the request's ``cache_salt``; its
+``extra_key``, to which a LoRA request's ``lora_id`` is appended. A
+``--lora-paths`` adapter's ``lora_id`` is ``uuid5(name, path)``: stable
+across restarts and blind to the adapter's weights, so an adapter retrained
+in place would hit its old pages in a store that outlives the server. The
+backend sees no adapter per page, so it keys the adapter set instead: it
+reads the server's ``lora_paths`` and folds a digest of every adapter
+directory's files into the identity (:func:`lora_adapters`,
+:func:`adapters_digest`); with an adapter it cannot read (a hub id) the
+identity is this process's alone, unless ``identity.adapter_revision`` pins
+the set. Adapters loaded at run time get a fresh ``uuid4`` id: never
+shared, and so never wrong.
+
 Payload. One page = one record: the host pool's flat data page (all layers,
 K and V, in the pool's own order; the order is part of the identity).
 
@@ -53,6 +68,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +82,7 @@ from kvstore.connectors._common import (
     dtype_name,
     shared_store,
 )
+from kvstore.connectors.adapters import adapter_digest
 from kvstore.errors import ConfigError, InvalidBlock, MissingDependency
 from kvstore.groups import WHOLE_PREFIX_KINDS, needed
 from kvstore.identity import DTYPE_BYTES, CacheIdentity, KVGroup, KVLayout
@@ -105,6 +122,65 @@ def sglang_version() -> str:
         return version("sglang")
     except Exception:  # noqa: BLE001 - a version we cannot read is just "unknown"
         return "unknown"
+
+
+def lora_adapters(server_args: Any = None) -> dict[str, str]:
+    """name -> path of the ``--lora-paths`` adapters of the SGLang server this
+    process runs (``server_args``: SGLang's, by default the published ones;
+    empty when there are none or no server is running here)."""
+    if server_args is None:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+            server_args = get_server_args()
+        except Exception:  # noqa: BLE001 - no server in this process (a test, a tool)
+            return {}
+    if getattr(server_args, "enable_lora", None) is False:
+        return {}
+    raw = getattr(server_args, "lora_paths", None) or []
+    items = raw.items() if isinstance(raw, Mapping) else None
+    out: dict[str, str] = {}
+    if items is not None:
+        out.update((str(k), str(v)) for k, v in items)
+        return out
+    for entry in raw:
+        name: Any
+        path: Any
+        if isinstance(entry, str):
+            name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+        elif isinstance(entry, Mapping):
+            name, path = entry.get("lora_name"), entry.get("lora_path")
+        else:                              # an already parsed LoRARef
+            name, path = getattr(entry, "lora_name", None), getattr(entry, "lora_path", None)
+        if not name or not path:
+            raise ConfigError(f"cannot read the LoRA adapter {entry!r} of --lora-paths"[:200])
+        out[str(name)] = str(path)
+    return out
+
+
+# an adapter this process cannot read is keyed by this process alone
+_PROCESS_NONCE = secrets.token_hex(8)
+
+
+def adapters_digest(adapters: Mapping[str, str]) -> str:
+    """A sha256 over each adapter's name, path and revision: the digest of its
+    files (:func:`kvstore.connectors.adapters.adapter_digest`, as vLLM's
+    connector keys an adapter), so an adapter retrained in place changes it.
+    An adapter whose files cannot be read here (a hub id SGLang resolves
+    itself) is keyed by this process alone (fail closed: its pages, and the
+    server's, are reused by no other process; logged)."""
+    h = hashlib.sha256(b"kvstore-sglang-lora/1\0")
+    for name in sorted(adapters):
+        path = adapters[name]
+        try:
+            rev = "sha256:" + adapter_digest(path)
+        except (OSError, ValueError) as exc:
+            rev = f"unread:{_PROCESS_NONCE}"
+            log.warning("kvstore: LoRA adapter %r at %r could not be read to key the store (%s); "
+                        "this server's pages are reused by this process only (pin the adapters "
+                        "with identity.adapter_revision to share them)", name, path, exc)
+        for part in (name, path, rev):
+            h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
 
 
 def pool_layout(pool: Any, page_bytes: int, *, sliding_window: int | None = None) -> KVLayout:
@@ -213,6 +289,10 @@ class KVStoreHiCache(HiCacheStorage):
                                    or window <= 0):
             raise ConfigError(f"sliding_window must be a positive int (tokens), got {window!r}")
         self.sliding_window: int | None = window
+        # the --lora-paths adapters, by content (see the module docstring);
+        # an operator's adapter_revision pins them instead
+        adapters = {} if dict(self.config.identity).get("adapter_revision") else lora_adapters()
+        self.lora_digest = adapters_digest(adapters) if adapters else ""
         self.store = shared_store(self.config.tree)
         self.guard = StoreGuard("sglang")
         self.identity: CacheIdentity | None = None
@@ -311,6 +391,8 @@ class KVStoreHiCache(HiCacheStorage):
                  "split_heads": f"{sc.should_split_heads}/{sc.tp_lcm_size}"}
         if sidecars:     # only for hybrid models: a plain model's digest stays
             extra["pools"] = ",".join(f"{n}:{lay}" for n, lay in sorted(sidecars.items()))
+        if self.lora_digest:     # only with --lora-paths adapters
+            extra["lora"] = self.lora_digest
         return build_identity(
             engine="sglang", model_id=user.pop("model_id", "") or sc.model_name or "unknown",
             layout=layout, user=user, tp_size=tp_size, tp_rank=tp_rank,
