@@ -16,6 +16,12 @@ for that id: a reload (a new id, or vLLM's ``load_inplace`` under the same
 id) reads the files again, and two engines
 that loaded the same files share their blocks whatever ids they gave them.
 
+Files rewritten under an id the engine holds, without a reload, leave the
+key unknowable: vLLM keeps the old weights until it evicts the id from its
+adapter cache, then reads the new files under the same id. Such requests
+neither load nor save (:class:`AdapterChanged`) until the adapter is
+loaded again.
+
 An adapter whose files cannot be read here (a path the engine resolves
 elsewhere, tensorizer streams) gets a revision unique to this process: its
 blocks can be reused only by this engine, under the same id, never by
@@ -34,6 +40,8 @@ import secrets
 import stat
 import threading
 from collections.abc import Callable
+
+from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.connectors")
 
@@ -70,41 +78,90 @@ def adapter_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def files_signature(path: str) -> tuple[tuple[str, int, int, int], ...] | None:
+    """(name, size, mtime_ns, inode) of every regular file of adapter
+    directory ``path`` (or of the file ``path``): what changes when its files
+    are rewritten, read without reading them. None where it cannot be read."""
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return ((os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ino),)
+        out = []
+        for name in sorted(os.listdir(path))[:MAX_ADAPTER_FILES + 1]:
+            fst = os.stat(os.path.join(path, name))
+            if stat.S_ISREG(fst.st_mode):
+                out.append((name, fst.st_size, fst.st_mtime_ns, fst.st_ino))
+        return tuple(out)
+    except OSError:
+        return None
+
+
+class AdapterChanged(KVStoreError):
+    """An adapter's files changed under an id the engine holds, without a
+    reload: which weights the engine computes with is not known here (vLLM
+    reads the files again only if it evicted the id from its adapter
+    cache), so the request must neither load nor save."""
+
+
 class AdapterRevisions:
     """The revision of each adapter an engine serves, read once per adapter id.
 
     ``resolve`` maps an engine's adapter path to a local directory (vLLM's
     own resolver, which downloads hub adapters); None where it cannot.
+    Every later request re-checks the files' sizes, times and inodes (a few
+    stat calls): files rewritten under a held id without a reload raise
+    :class:`AdapterChanged` until the adapter is reloaded.
     Thread-safe: the scheduler may ask from several threads.
     """
 
     def __init__(self, resolve: Callable[[str], str | None] | None = None) -> None:
         self._resolve = resolve or (lambda p: p)
-        self._known: dict[tuple[str, int, str], str] = {}
+        # (name, id, path) -> (revision, local directory, its files' signature)
+        self._known: dict[tuple[str, int, str], tuple[str, str | None, object]] = {}
+        self._warned: set[tuple[str, int, str]] = set()
         self._lock = threading.Lock()
         self._nonce = secrets.token_hex(8)
 
     def revision(self, name: str, adapter_id: int, path: str, *, reload: bool = False) -> str:
         """The revision of adapter ``adapter_id``; ``reload`` (vLLM's
         ``load_inplace``: the engine reads the files again under the same id)
-        reads them again and keeps the new digest for the id."""
+        reads them again and keeps the new digest for the id. Raises
+        AdapterChanged (above)."""
         k = (name, adapter_id, path)
         with self._lock:
             got = None if reload else self._known.get(k)
         if got is not None:
-            return got
+            rev, local, sig = got
+            if local is not None and files_signature(local) != sig:
+                self._changed(k)
+            return rev
+        local: str | None = None
+        sig: object = None
         try:
             local = self._resolve(path)
             if not local:
                 raise OSError(f"the path {path!r} does not resolve to a local adapter")
+            sig = files_signature(local)
             rev = "sha256:" + adapter_digest(local)
+            if files_signature(local) != sig:          # rewritten while it was read
+                self._changed(k)
         except (OSError, ValueError) as exc:
             # fail closed: reusable only within this process and this id
-            rev = f"unread:{self._nonce}:{adapter_id}"
+            rev, local = f"unread:{self._nonce}:{adapter_id}", None
             log.warning("kvstore: LoRA adapter %r (id %d) could not be read to key its blocks (%s); "
                         "its blocks are reused only by this engine", name, adapter_id, exc)
         with self._lock:
             if reload:
-                self._known[k] = rev
+                self._known[k] = (rev, local, sig)
                 return rev
-            return self._known.setdefault(k, rev)
+            return self._known.setdefault(k, (rev, local, sig))[0]
+
+    def _changed(self, k: tuple[str, int, str]) -> None:
+        with self._lock:
+            first = k not in self._warned
+            self._warned.add(k)
+        if first:
+            log.warning("kvstore: the files of LoRA adapter %r (id %d) changed while the engine holds it "
+                        "and it was not reloaded: its requests are served without kvstore until it is "
+                        "(load it again, under a new id or with load_inplace)", k[0], k[1])
+        raise AdapterChanged(f"adapter {k[0]!r} (id {k[1]}) changed on disk without a reload")

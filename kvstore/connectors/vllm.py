@@ -97,7 +97,7 @@ from kvstore.connectors._common import (
     task_after,
     task_before,
 )
-from kvstore.connectors.adapters import AdapterRevisions
+from kvstore.connectors.adapters import AdapterChanged, AdapterRevisions
 from kvstore.connectors.handoff import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_LEASED,
@@ -342,7 +342,8 @@ class _ReqState:
     handoff_outcome: Outcome | None = None   # why that handoff cannot be taken, once checked
     loaded_tokens: int = 0                   # tokens vLLM took from the store for it
     scheduled: bool = False                  # vLLM has scheduled it (a "new" one again is a resume)
-    cap: int | None = None                   # blocks it may load or save (None: all; a prefix-LM's media)
+    cap: int | None = None                   # blocks it may load or save (None: all; a prefix-LM's
+                                             # media, an adapter changed on disk: see _state)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -433,13 +434,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _state(self, request: Request) -> _ReqState:
         st = self.requests.get(request.request_id)
         if st is None:
-            idents = [request_identity(b, request.cache_salt, request.lora_request, self.adapters)
-                      for b in self.bases]
+            cap = prefix_lm_cap(request.mm_features, self.block_size) if self.prefix_lm else None
+            try:
+                idents = [request_identity(b, request.cache_salt, request.lora_request, self.adapters)
+                          for b in self.bases]
+            except AdapterChanged:      # which weights compute it is unknown: neither load nor save
+                idents = [request_identity(b, request.cache_salt, None).replace(
+                    adapter_id=str(request.lora_request.lora_name), adapter_revision="changed")
+                    for b in self.bases]
+                cap = 0
             params = request.kv_transfer_params
             st = _ReqState(request, idents, [GroupChains(i) for i in idents],
                            followup=request_followup(params, self.guard),
                            task=request_task(params, self.guard), produce=remote_decode(params),
-                           cap=prefix_lm_cap(request.mm_features, self.block_size) if self.prefix_lm else None)
+                           cap=cap)
             if remote_prefill(params):
                 self._take_handoff(st, params)
             self.requests[request.request_id] = st

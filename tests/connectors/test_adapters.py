@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.connectors.adapters import MAX_ADAPTER_FILES, AdapterRevisions, adapter_digest
+from kvstore.connectors.adapters import (
+    MAX_ADAPTER_FILES,
+    AdapterChanged,
+    AdapterRevisions,
+    adapter_digest,
+    files_signature,
+)
 
 
 def write_adapter(d: Path, weights: bytes, config: str = '{"r": 8}') -> Path:
@@ -65,9 +71,14 @@ def test_revision_is_read_once_per_id_and_again_on_reload(tmp_path):
     revs = AdapterRevisions()
     first = revs.revision("sql", 1, str(a))
     assert first.startswith("sha256:")
+    assert revs.revision("sql", 1, str(a)) == first        # unchanged files: the same, not read again
     write_adapter(a, b"new" * 1000)
-    # the engine still holds id 1's old weights: the key must not change under it
-    assert revs.revision("sql", 1, str(a)) == first
+    # the engine holds id 1's old weights until it evicts the id, then reads the
+    # new files under it: which weights compute id 1 is unknown, so it is refused
+    with pytest.raises(AdapterChanged):
+        revs.revision("sql", 1, str(a))
+    with pytest.raises(AdapterChanged):
+        revs.revision("sql", 1, str(a))                     # until it is reloaded
     # a reload under a new id reads the files again
     second = revs.revision("sql", 2, str(a))
     assert second != first
@@ -91,3 +102,30 @@ def test_an_unreadable_adapter_is_reusable_only_in_this_process_and_id(tmp_path,
     unresolved = AdapterRevisions(resolve=lambda p: None)
     a = write_adapter(tmp_path / "a", b"w")
     assert unresolved.revision("x", 1, str(a)).startswith("unread:")
+
+
+def test_files_rewritten_while_they_are_digested_are_not_trusted(tmp_path, monkeypatch):
+    import kvstore.connectors.adapters as adapters
+    a = write_adapter(tmp_path / "a", b"old" * 100)
+    real = adapters.adapter_digest
+
+    def digest_then_rewrite(path: str) -> str:
+        out = real(path)
+        write_adapter(a, b"rewritten" * 100)      # lands between the read and the check
+        return out
+
+    monkeypatch.setattr(adapters, "adapter_digest", digest_then_rewrite)
+    revs = AdapterRevisions()
+    with pytest.raises(AdapterChanged):
+        revs.revision("x", 1, str(a))
+    monkeypatch.setattr(adapters, "adapter_digest", real)
+    assert revs.revision("x", 1, str(a)) == "sha256:" + real(str(a))   # nothing stale was kept
+
+
+def test_the_signature_sees_a_rewrite_of_the_same_size(tmp_path):
+    a = write_adapter(tmp_path / "a", b"x" * 64)
+    before = files_signature(str(a))
+    os.replace(write_adapter(tmp_path / "b", b"y" * 64) / "adapter_model.safetensors",
+               a / "adapter_model.safetensors")      # same size, a new inode
+    assert files_signature(str(a)) != before
+    assert files_signature(str(tmp_path / "missing")) is None

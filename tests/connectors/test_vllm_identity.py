@@ -23,7 +23,7 @@ from transformers import LlamaConfig, PaliGemmaConfig
 from vllm.config import ModelConfig
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from kvstore.connectors.adapters import AdapterRevisions
+from kvstore.connectors.adapters import AdapterChanged, AdapterRevisions
 from kvstore.connectors.vllm import (media_extras, prefix_lm, prefix_lm_cap, processor_version,
                                      request_identity)
 from kvstore.identity import CacheIdentity, KVLayout
@@ -91,12 +91,20 @@ b = adapter(os.path.join(tmp, "b"), b"B" * 512)
 revs = AdapterRevisions()
 def rev(req, revs=revs):
     return request_identity(ident, None, req, revs)
+def refused(req):
+    try:
+        rev(req)
+    except AdapterChanged:
+        return True
+    return False
+
 first = rev(LoRARequest("sql", 1, a))
+out["same_files_kept"] = rev(LoRARequest("sql", 1, a)).namespace == first.namespace
 adapter(a, b"A2" * 512)                       # new weights written over the old
 out["lora"] = {
     "id": first.adapter_id, "base_differs": first.namespace != rev(None).namespace,
     "other_adapter_differs": rev(LoRARequest("sql", 3, b)).namespace != first.namespace,
-    "same_id_kept": rev(LoRARequest("sql", 1, a)).namespace == first.namespace,
+    "same_id_refused": refused(LoRARequest("sql", 1, a)),
     "new_id_differs": rev(LoRARequest("sql", 2, a)).namespace != first.namespace,
     "inplace_differs": rev(LoRARequest("sql", 1, a, load_inplace=True)).namespace != first.namespace,
     "other_engine_same_files": rev(LoRARequest("renamed-id", 9, a), AdapterRevisions()).adapter_revision
@@ -141,6 +149,7 @@ def test_an_image_keys_the_blocks_it_touches_and_every_block_after(checks):
 
 
 def test_a_lora_adapter_is_keyed_by_its_files_as_the_engine_loaded_them(checks):
+    assert checks["same_files_kept"] is True
     lora = checks["lora"]
     assert lora.pop("id") == "sql"
     assert all(lora.values()), lora
