@@ -244,13 +244,31 @@ def _field_items(value: Any) -> Any:
 
 
 def _digest_value(h: Any, name: str, value: Any) -> None:
+    """Feed ``value`` to ``h`` whole: tensors and arrays by dtype, shape and
+    every byte, containers element by element (each tagged with its kind
+    and length, so nesting is unambiguous), scalars and strings as JSON.
+    Never a repr: numpy's and torch's elide the middle of a large array,
+    so two images would hash alike."""
     value = _field_items(value)
     if isinstance(value, torch.Tensor):
         t = value.contiguous()
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(json.dumps([name, "tensor", str(t.dtype), list(t.shape)]).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, (list, tuple)):
+        h.update(json.dumps([name, "list", len(value)]).encode())
+        for i, item in enumerate(value):
+            _digest_value(h, f"{name}[{i}]", item)
+    elif isinstance(value, dict):
+        h.update(json.dumps([name, "dict", len(value)]).encode())
+        for key in sorted(value, key=str):
+            _digest_value(h, f"{name}.{key}", value[key])
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        h.update(json.dumps([name, value]).encode())
+    elif isinstance(value, np.generic):
+        h.update(json.dumps([name, str(value.dtype), value.item()]).encode())
     else:
-        h.update(json.dumps([name, value], sort_keys=True, default=repr).encode())
+        raise ConfigError(f"cannot key the processor output field {name!r} of type "
+                          f"{type(value).__name__}: pass media spans of your own hashes")
 
 
 def _item_rows(output: Any, name: str, value: Any, count: int) -> list[Any] | None:

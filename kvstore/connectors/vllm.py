@@ -257,8 +257,9 @@ def processor_version(model_config: Any, user_value: str = "") -> str:
     """A multimodal model's processor, as its identity field: the user's
     ``mm_processor_version`` (if any) plus a digest of the processor's
     config files (preprocessor_config.json, processor_config.json, ...) and
-    the engine's ``mm_processor_kwargs``, so another processor
-    configuration of one model never shares blocks that hold media. A text
+    the engine's ``mm_processor_kwargs`` and the versions of the libraries
+    the processor computes with, so another processor configuration of one
+    model never shares blocks that hold media. A text
     model keeps the user's value (its keys stay as they were)."""
     if not getattr(model_config, "is_multimodal_model", False):
         return user_value
@@ -268,8 +269,23 @@ def processor_version(model_config: Any, user_value: str = "") -> str:
     mm = getattr(model_config, "multimodal_config", None)
     kwargs = getattr(mm, "mm_processor_kwargs", None) or {}
     h.update(json.dumps(kwargs, sort_keys=True, default=repr).encode())
+    # the code that turns an image into pixels: vLLM hashes the image, not them
+    h.update(json.dumps(_processor_code()).encode())
     auto = "auto:" + h.hexdigest()[:32]
     return f"{user_value}|{auto}" if user_value else auto
+
+
+def _processor_code() -> dict[str, str]:
+    """Versions of the libraries a Hugging Face image processor computes
+    with (transformers picks torchvision where it loads, else PIL)."""
+    import importlib.metadata as md
+    out = {}
+    for dist in ("transformers", "pillow", "torchvision", "numpy"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = ""
+    return out
 
 
 # the files a Hugging Face processor is configured by
@@ -343,7 +359,9 @@ class _ReqState:
     loaded_tokens: int = 0                   # tokens vLLM took from the store for it
     scheduled: bool = False                  # vLLM has scheduled it (a "new" one again is a resume)
     cap: int | None = None                   # blocks it may load or save (None: all; a prefix-LM's
-                                             # media, an adapter changed on disk: see _state)
+                                             # media, an adapter changed on disk, prompt embeds: _state)
+    tainted: bool = False                    # saves nothing: it continues blocks vLLM's own cache may
+                                             # hold for an adapter's old weights (get_num_new_matched_tokens)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -443,6 +461,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     adapter_id=str(request.lora_request.lora_name), adapter_revision="changed")
                     for b in self.bases]
                 cap = 0
+            if getattr(request, "prompt_embeds", None) is not None:
+                # its token ids are placeholders (zeros, or sentinels where a
+                # mixed prompt has embeddings): the tokens do not say what it is
+                cap = 0
             params = request.kv_transfer_params
             st = _ReqState(request, idents, [GroupChains(i) for i in idents],
                            followup=request_followup(params, self.guard),
@@ -488,9 +510,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.loads or self.declined:
+        if self.declined:
             return 0, False
         st = self._state(request)
+        lora = request.lora_request
+        if lora is not None and num_computed_tokens and self.adapters.revised(
+                str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")):
+            # vLLM's own prefix cache keys an adapter by name and path, not
+            # weights: after this adapter was reloaded with other files, its
+            # local hit may be the old weights' K/V, and every block computed
+            # after it attends to that: none may be saved under the new digest
+            st.tainted = True
+        if not self.loads:
+            return 0, False
         if st.handoff_outcome is not None and st.handoff_outcome.refuses:
             return 0, False       # another model, layout or tenant made it: recomputed
         if st.load_failed:
@@ -595,7 +627,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
         self._plan_load(st, meta)
-        if not self.saves:
+        if not self.saves or st.tainted:
             return
         held_ids = min(len(ids) for ids in st.block_ids) if st.block_ids else 0
         sealed = _capped(min(computed_after, st.request.num_tokens, held_ids * self.block_size)
@@ -606,7 +638,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         keep = self._keep(st)
         # a sliding-window group's null blocks hold nothing (outside the
         # window of a hit or of vLLM's own prefix cache): not saved
-        fresh = [[i for i in range(st.saved_upto, sealed) if _keeps(keep[g], i) and st.block_ids[g][i] != NULL_BLOCK]
+        fresh = [[i for i in range(st.saved_upto, sealed)
+                  if _keeps(keep[g], i) and st.block_ids[g][i] != NULL_BLOCK]
                  for g in range(len(self.groups))]
         # skip blocks the store already holds (another request computed them):
         # one probe for every group's keys (a lookup takes keys of any

@@ -129,3 +129,54 @@ def test_the_signature_sees_a_rewrite_of_the_same_size(tmp_path):
                a / "adapter_model.safetensors")      # same size, a new inode
     assert files_signature(str(a)) != before
     assert files_signature(str(tmp_path / "missing")) is None
+
+
+def test_an_id_named_with_another_path_is_refused_and_a_reload_of_unchanged_files_is_not_read(tmp_path,
+                                                                                            monkeypatch):
+    import kvstore.connectors.adapters as adapters
+    a = write_adapter(tmp_path / "a", b"a" * 100)
+    b = write_adapter(tmp_path / "b", b"b" * 100)
+    revs = AdapterRevisions()
+    ra = revs.revision("x", 1, str(a))
+    # vLLM's worker keeps id 1's first weights (a's): b's digest would key a's K/V
+    with pytest.raises(AdapterChanged):
+        revs.revision("x", 1, str(b))
+    reads = []
+    real = adapters.adapter_digest
+    monkeypatch.setattr(adapters, "adapter_digest", lambda p: reads.append(p) or real(p))
+    # vLLM's server sends every request of a reloaded adapter with load_inplace: not read again
+    assert revs.revision("x", 1, str(a), reload=True) == ra and reads == []
+    # a reload onto the other path reads it, and keys it
+    assert revs.revision("x", 1, str(b), reload=True) == "sha256:" + real(str(b)) and reads == [str(b)]
+
+
+def test_an_unreadable_adapter_gets_a_new_revision_at_every_reload(tmp_path):
+    revs = AdapterRevisions()
+    missing = str(tmp_path / "nope")
+    first = revs.revision("x", 1, missing)
+    again = revs.revision("x", 1, missing, reload=True)      # new weights may have come with it
+    assert again != first and revs.revision("x", 1, missing) == again
+
+
+def test_an_adapter_reloaded_with_other_files_is_marked_revised(tmp_path):
+    a = write_adapter(tmp_path / "a", b"old" * 100)
+    revs = AdapterRevisions()
+    revs.revision("x", 1, str(a))
+    revs.revision("x", 2, str(a))                              # the same files under a new id
+    assert not revs.revised("x", str(a))
+    write_adapter(a, b"new" * 100)
+    revs.revision("x", 3, str(a))                              # reloaded with other files
+    assert revs.revised("x", str(a)) and not revs.revised("y", str(a))
+
+
+def test_a_fifo_or_an_oversized_adapter_never_hangs_the_reader(tmp_path, monkeypatch):
+    import kvstore.connectors.adapters as adapters
+    a = write_adapter(tmp_path / "a", b"w" * 100)
+    before = adapter_digest(str(a))
+    os.mkfifo(a / "zz-fifo")                   # no writer: an open() without O_NONBLOCK would hang
+    assert adapter_digest(str(a)) == before
+    monkeypatch.setattr(adapters, "MAX_ADAPTER_BYTES", 150)
+    write_adapter(a, b"w" * 200)
+    with pytest.raises(ValueError, match="more than an adapter's"):
+        adapter_digest(str(a))
+    assert AdapterRevisions().revision("x", 1, str(a)).startswith("unread:")

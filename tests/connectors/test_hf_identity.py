@@ -363,3 +363,22 @@ def test_adapter_revision_follows_the_weights_and_a_switched_model_is_refused(lo
     finally:
         lora.set_adapter("alpha")
     assert pc.prefill(lora, _ids(12, 40))[2].num_blocks == 0
+
+
+@pytest.mark.parametrize("shape", ["list", "nested", "dict"])
+def test_media_hash_reads_every_pixel_of_a_container_of_arrays(shape):
+    """A processor called without return_tensors gives pixel_values as lists
+    of arrays; a repr of them elides the middle, where these images differ."""
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    x = rng.random((3, 64, 64), dtype=np.float32)
+    y = x.copy()
+    y[:, 30:34, 30:34] += 1.0                          # only the centre differs
+
+    def out(img):
+        pv = {"list": [img], "nested": [[img]], "dict": [{"pixels": img}]}[shape]
+        return {"input_ids": [[1, 2, 3]], "pixel_values": pv}
+
+    assert media_hash(out(x)) != media_hash(out(y))
+    assert media_hash(out(x)) == media_hash(out(x.copy()))
+    with pytest.raises(ConfigError, match="cannot key"):
+        media_hash({"input_ids": [[1]], "pixel_values": [object()]})

@@ -15,7 +15,8 @@ both LoRA matrices, so its tokens differ from the base model's.
 3. ``loader`` (``t1``, vLLM's prefix cache off: every cached token was
    loaded): under A and the base model it loads every sealed block; under B
    nothing (only other adapters' blocks are stored), then B's own; under
-   another tenant's salt nothing; A under another ``lora_int_id`` all.
+   another tenant's salt nothing; A under another ``lora_int_id`` all; the
+   prompt with one token of block 1 changed, under A, block 0 only.
 4. ``template`` (``t2``): the base model loads nothing of ``t1``'s, then
    its own.
 5. A2's weights are written over A's directory; ``reloader`` (``t1``):
@@ -42,6 +43,7 @@ import random
 import pytest
 
 from kvstore.bench.daemon_proc import DaemonProc
+from kvstore.bench.llama_model import TINY
 from tests.connectors.test_vllm import BS, VOCAB, vllm_python
 from tests.connectors.test_vllm_daemon import Runner
 
@@ -53,9 +55,16 @@ _r = random.Random(SEED)
 SEALED = 3                                            # sealed blocks of the prompt
 P = [_r.randrange(4, VOCAB) for _ in range(SEALED * BS + _r.randrange(1, BS))]
 ADAPTER_SEEDS = {name: _r.randrange(1 << 31) for name in ("a", "b", "a2", "a3")}
+# the seed's acceptance row "one-token delta": one token of block 1 changed, under adapter A
+DELTA_AT = BS + _r.randrange(BS)
+P_DELTA = P[:DELTA_AT] + [(P[DELTA_AT] + 1 - 4) % (VOCAB - 4) + 4] + P[DELTA_AT + 1:]
 WHY = f"KVSTORE_LORA_SEED={SEED}"                     # in every failure message
 # room for every adapter id an engine uses: vLLM never evicts one and reads its files again
 LLM = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
+EMBEDS = dict(LLM, enable_prompt_embeds=True)
+HIDDEN = TINY["hidden_size"]
+E_LEN = SEALED * BS + 5
+E1, E2 = [[_r.randrange(1 << 30), E_LEN, HIDDEN] for _ in range(2)]
 
 # Builds the tiny model and the adapters ("loras": {dir: seed}), then runs
 # vllm_driver's engines in order; an engine's "write_loras" ({dir: seed})
@@ -97,6 +106,7 @@ def runs(tmp_path_factory):
         pytest.skip("vllm is not importable and .venv-vllm is missing: run scripts/setup_vllm_env.sh")
     tmp = tmp_path_factory.mktemp("vllm_lora")
     dirs = {name: str(tmp / f"lora-{name}") for name in ADAPTER_SEEDS}
+    dirs["ip"] = str(tmp / "lora-ip")          # A's weights, then A2's written over them in place
 
     def lora(name: str, lid: int, path: str) -> dict:
         return {"name": name, "id": lid, "path": path}
@@ -121,11 +131,14 @@ def runs(tmp_path_factory):
 
     spec = {"model": str(tmp / "model"), "loras": {dirs[n]: s for n, s in ADAPTER_SEEDS.items()},
             "engines": [
-                engine("plain", None, [gen("base"), gen("A", A), gen("B", B), gen("A2", A2), gen("A3", A3)]),
+                engine("plain", None, [gen("base"), gen("A", A), gen("B", B), gen("A2", A2), gen("A3", A3),
+                                       gen("A_delta", A, tokens=P_DELTA), gen("E1", embeds=E1),
+                                       gen("E2", embeds=E2)], llm=EMBEDS),
                 engine("saver", "t1", [gen("A", A), gen("base")]),
                 engine("loader", "t1", [gen("A", A), gen("B", B), gen("B_again", B), gen("base"),
                                         gen("base_other_tenant", salt="tenant-x"),
-                                        gen("A_new_id", lora("a", 5, dirs["a"]))]),
+                                        gen("A_new_id", lora("a", 5, dirs["a"])),
+                                        gen("A_delta", A, tokens=P_DELTA)]),
                 engine("template", "t2", [gen("base"), gen("base_again")]),
                 # A2's weights over A's directory: A in a fresh engine, same name, path and id;
                 # then A3's over it while the engine runs, loaded as vLLM's server reloads
@@ -136,6 +149,18 @@ def runs(tmp_path_factory):
                     gen("A3_again", lora("a", 4, dirs["a"])), gen("A_after_A3", A),
                     gen("A_after_A3_again", A)],
                        write_loras={dirs["a"]: ADAPTER_SEEDS["a2"]}),
+                # vLLM's own prefix cache on: A2's weights written over the adapter and
+                # reloaded in place; vLLM serves the old weights' blocks from its cache
+                # (its own limit), which must not reach the store under A2's digest.
+                # Prompt embeddings: their token ids are placeholders, so never keyed
+                engine("inplace", "t1", [
+                    gen("IP1", lora("ip", 11, dirs["ip"])),
+                    gen("IP2", dict(lora("ip", 11, dirs["ip"]), load_inplace=True),
+                        write_loras={dirs["ip"]: ADAPTER_SEEDS["a2"]}),
+                    gen("E1", embeds=E1), gen("E2", embeds=E2)],
+                       prefix_caching=True, llm=EMBEDS, write_loras={dirs["ip"]: ADAPTER_SEEDS["a"]}),
+                engine("inplace_check", "t1", [gen("IP", lora("ip", 12, dirs["ip"])), gen("E2", embeds=E2)],
+                       llm=EMBEDS),
             ]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     daemon.start()
@@ -200,6 +225,11 @@ def test_an_adapter_loads_only_its_own_blocks(runs):
         same_as_plain(runs, "loader", step, ref, computed)
 
 
+def test_a_one_token_delta_under_an_adapter_loads_only_the_blocks_before_it(runs):
+    assert cached(runs, "loader", "A_delta") == (DELTA_AT // BS) * BS, WHY
+    same_as_plain(runs, "loader", "A_delta", "A_delta")
+
+
 def test_the_same_adapter_under_another_slot_id_loads_all(runs):
     assert cached(runs, "loader", "A_new_id") == ALL, WHY
     same_as_plain(runs, "loader", "A_new_id", "A", ("saver", "A"))
@@ -242,6 +272,24 @@ def test_an_adapter_reloaded_in_a_running_engine_loads_nothing_of_the_old(runs):
     same_as_plain(runs, "reloader", "A_after_A3", "A2")
     assert cached(runs, "reloader", "A_after_A3_again") == 0, WHY     # nothing was saved for it
     same_as_plain(runs, "reloader", "A_after_A3_again", "A2")
+
+
+def test_blocks_of_an_adapter_reloaded_in_place_from_vllms_own_cache_are_not_stored(runs):
+    # the reload's request continued vLLM's cached blocks of the old weights
+    assert runs["inplace"]["IP1"]["tokens"] == runs["plain"]["A"]["tokens"], WHY
+    assert cached(runs, "inplace", "IP2") > 0, f"vLLM's own cache did not hit: nothing tested; {WHY}"
+    # a fresh engine with the new files finds nothing of it in the store
+    assert cached(runs, "inplace_check", "IP") == 0, WHY
+    same_as_plain(runs, "inplace_check", "IP", "A2")
+
+
+def test_prompt_embeddings_are_never_keyed_by_their_placeholder_tokens(runs):
+    assert runs["plain"]["E1"]["tokens"] != runs["plain"]["E2"]["tokens"], WHY
+    # two prompts of embeddings of one length have the same placeholder ids
+    assert cached(runs, "inplace", "E1") == 0 and cached(runs, "inplace", "E2") == 0, WHY
+    assert cached(runs, "inplace_check", "E2") == 0, WHY
+    assert runs["inplace"]["E2"]["tokens"] == runs["plain"]["E2"]["tokens"], WHY
+    assert runs["inplace_check"]["E2"]["tokens"] == runs["plain"]["E2"]["tokens"], WHY
 
 
 def test_no_store_call_failed(runs):

@@ -29,7 +29,10 @@ in ``"llm"`` (``{"enable_lora": true, "max_lora_rank": 8}``,
 ``{"limit_mm_per_prompt": {"image": 1}}``, ...). A generate step may give a
 text ``"prompt"`` instead of ``"tokens"``, ``"images"`` (PNG paths) and
 ``"mm_kwargs"`` (the request's multimodal processor kwargs), and
-``"lora": {"name": str, "id": int, "path": DIR}`` (vLLM's LoRARequest); its
+``"lora": {"name": str, "id": int, "path": DIR, "load_inplace": bool}``
+(vLLM's LoRARequest), or ``"embeds": [seed, length, hidden]`` (random
+prompt embeddings instead of tokens; the engine needs
+``"llm": {"enable_prompt_embeds": true}``); its
 output carries the engine's ``"prompt_tokens"`` (placeholders expanded).
 
 A generate step may ask for ``"logprobs": true`` (each output token's
@@ -221,7 +224,15 @@ def _prompt(step: dict) -> dict:
     tokenizes; a multimodal prompt names its placeholders in text), with its
     ``images`` (PNG paths, loaded with PIL), ``mm_kwargs`` (the request's
     processor kwargs) and cache salt."""
-    prompt: dict = {"prompt": step["prompt"]} if "prompt" in step else {"prompt_token_ids": step["tokens"]}
+    if "embeds" in step:           # [seed, length, hidden]: random prompt embeddings, no token ids
+        import torch
+        seed, length, hidden = step["embeds"]
+        gen = torch.Generator().manual_seed(seed)
+        prompt: dict = {"prompt_embeds": torch.randn(length, hidden, generator=gen)}
+    elif "prompt" in step:
+        prompt = {"prompt": step["prompt"]}
+    else:
+        prompt = {"prompt_token_ids": step["tokens"]}
     if step.get("images"):
         from PIL import Image
         images = [Image.open(p).convert("RGB") for p in step["images"]]
@@ -239,7 +250,7 @@ def _lora(step: dict) -> object | None:
         return None
     from vllm.lora.request import LoRARequest
     lora = step["lora"]
-    return LoRARequest(lora["name"], lora["id"], lora["path"])
+    return LoRARequest(lora["name"], lora["id"], lora["path"], load_inplace=bool(lora.get("load_inplace")))
 
 
 def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
