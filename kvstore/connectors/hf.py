@@ -72,7 +72,9 @@ Adapters. :func:`identity_for_model` of a peft model derives ``adapter_id``
 (the active adapter names) and ``adapter_revision`` (a digest of their
 config and weights) unless given; ``prefill`` refuses a model whose active
 adapters are no longer the identity's (after ``set_adapter``: build a new
-identity).
+identity), or whose adapter weights or switches changed since the digest
+(:func:`adapter_state`: parameters' version counters, disabled, merged,
+scaling).
 
 Blocking; call from one thread per ``HFPrefixCache`` (the store itself is
 thread-safe). Batch size 1: one sequence per call.
@@ -83,6 +85,7 @@ import hashlib
 import inspect
 import json
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -155,6 +158,8 @@ def identity_for_model(model: Any, *, block_tokens: int, model_id: str | None = 
             raise ConfigError(f"adapter_id {adapter_id!r} is not the model's active adapter(s) "
                               f"{names or 'none'!r}; give adapter_revision too to key it as you name it")
         adapter_id, adapter_revision = names, digest
+        if digest:
+            _DIGESTED[model] = (digest, adapter_state(model))
     revision = model_revision or getattr(model.config, "_commit_hash", None) or "local"
     groups = model_groups(cfg, block_tokens=block_tokens, dtype=dtype_name(dtype or model.dtype))
     fields = build_identity(
@@ -188,6 +193,24 @@ def _active_adapters(model: Any) -> list[str]:
     if names is None:
         names = [getattr(model, "active_adapter", "")]
     return [str(n) for n in ([names] if isinstance(names, str) else names) if n]
+
+
+# a peft model -> (the adapter digest identity_for_model took of it, the
+# adapter_state it had then): what prefill checks the model against
+_DIGESTED: weakref.WeakKeyDictionary[Any, tuple[str, tuple]] = weakref.WeakKeyDictionary()
+
+
+def adapter_state(model: Any) -> tuple:
+    """What a peft model's adapter computes with, cheaply: each adapter
+    parameter's storage and in-place version counter (an optimizer step,
+    a copy_ or a load bumps it), and each adapter layer's switches (disabled,
+    merged, scaling). Equal states mean the digest still holds."""
+    params = tuple((name, p.data_ptr(), p._version) for name, p in model.named_parameters()
+                   if "lora_" in name)
+    layers = tuple((name, bool(getattr(m, "disable_adapters", False)), bool(getattr(m, "merged", False)),
+                    json.dumps(getattr(m, "scaling", None), sort_keys=True, default=repr))
+                   for name, m in model.named_modules() if hasattr(m, "lora_A"))
+    return params + layers
 
 
 def peft_adapter(model: Any) -> tuple[str, str]:
@@ -842,6 +865,12 @@ class HFPrefixCache:
             raise ConfigError(f"the model runs adapter(s) {active!r} but this cache's identity is of "
                               f"{self.identity.adapter_id!r}: build an identity for it "
                               "(identity_for_model) and a cache of that identity")
+        digested = _DIGESTED.get(model)
+        if digested is not None and digested[0] == self.identity.adapter_revision \
+                and adapter_state(model) != digested[1]:
+            raise ConfigError("the model's adapter weights or switches changed since its identity was "
+                              "built (trained, loaded, merged, disabled or rescaled): build a new identity "
+                              "(identity_for_model) and a cache of it")
 
 
 def _chains(identity: CacheIdentity, tokens: np.ndarray,

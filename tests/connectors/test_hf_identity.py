@@ -363,6 +363,25 @@ def test_adapter_revision_follows_the_weights_and_a_switched_model_is_refused(lo
     finally:
         lora.set_adapter("alpha")
     assert pc.prefill(lora, _ids(12, 40))[2].num_blocks == 0
+    # weights trained, or a layer switched, after the identity was built: its digest no longer holds
+    with torch.no_grad():
+        p[0, 0] += 1e-3
+    try:
+        with pytest.raises(ConfigError, match="changed since its identity"):
+            pc.prefill(lora, _ids(12, 40))
+    finally:
+        with torch.no_grad():
+            p[0, 0] -= 1e-3
+    ident = identity_for_model(lora, block_tokens=BT)       # taken again: the same weights, the same key
+    assert ident.adapter_revision == rev
+    pc = HFPrefixCache(make_store(8 << 20), ident, config=lora.config)
+    lora.base_model.disable_adapter_layers()
+    try:
+        with pytest.raises(ConfigError, match="changed since its identity"):
+            pc.prefill(lora, _ids(12, 40))
+    finally:
+        lora.base_model.enable_adapter_layers()
+    assert pc.prefill(lora, _ids(12, 40))[2].num_blocks == 0
 
 
 @pytest.mark.parametrize("shape", ["list", "nested", "dict"])
