@@ -65,18 +65,7 @@ import tiny_model, vllm_driver
 spec_path, out_path = sys.argv[1], sys.argv[2]
 spec = json.load(open(spec_path))
 tiny_model.save_model_dir(spec["model"])
-out = {"engines": {}}
-for engine in spec["engines"]:
-    gate = engine.pop("wait_for", None)
-    deadline = time.monotonic() + 300
-    while gate and not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gave up waiting for {gate}")
-        time.sleep(0.1)
-    out["engines"][engine["name"]] = vllm_driver.run_engine(spec["model"], engine, out["engines"])
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(out_path + ".tmp", out_path)
+vllm_driver.run_engines(spec, out_path)
 """
 
 

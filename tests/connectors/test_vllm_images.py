@@ -73,18 +73,7 @@ for name, (h, w) in spec["images"].items():
     Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(spec["dir"], name + ".png"))
 x = Image.open(os.path.join(spec["dir"], "X.png"))
 x.resize(tuple(spec["resized"]), Image.BICUBIC).save(os.path.join(spec["dir"], "Xr.png"))
-out = {"engines": {}}
-for engine in spec["engines"]:
-    gate = engine.pop("wait_for", None)
-    deadline = time.monotonic() + 300
-    while gate and not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gave up waiting for {gate}")
-        time.sleep(0.1)
-    out["engines"][engine["name"]] = vllm_driver.run_engine(spec["model"], engine, out["engines"])
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(out_path + ".tmp", out_path)
+vllm_driver.run_engines(spec, out_path)
 """
 
 

@@ -87,14 +87,10 @@ def write_then_lora(step):
         tiny_lora.save_lora_dir(path, seed)
     return lora_request(step)
 vllm_driver._lora = write_then_lora
-out = {"engines": {}}
-for engine in spec["engines"]:
+def write_loras(engine):
     for path, seed in engine.pop("write_loras", {}).items():
         tiny_lora.save_lora_dir(path, seed)
-    out["engines"][engine["name"]] = vllm_driver.run_engine(spec["model"], engine, out["engines"])
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(out_path + ".tmp", out_path)
+vllm_driver.run_engines(spec, out_path, before=write_loras)
 """
 
 

@@ -327,15 +327,33 @@ def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
     return results
 
 
+def run_engines(spec: dict, out_path: str, before: Any = None) -> dict:
+    """Run ``spec``'s engines in order, writing the results (atomically)
+    after each, so partial results survive a later crash and a test can
+    read an engine's as soon as it ends. An engine with ``"wait_for": FILE``
+    starts only once that file exists (a test holds it while it restarts a
+    daemon); ``before(engine)`` runs just before each engine starts."""
+    out: dict = {"engines": {}}
+    for engine in spec["engines"]:
+        gate = engine.pop("wait_for", None)
+        deadline = time.monotonic() + 300
+        while gate and not os.path.exists(gate):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"gave up waiting for {gate}")
+            time.sleep(0.1)
+        if before is not None:
+            before(engine)
+        out["engines"][engine["name"]] = run_engine(spec["model"], engine, out["engines"])
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(out_path + ".tmp", out_path)
+    return out
+
+
 def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
-        spec = json.load(f)
-    out = {"engines": {}}
-    for engine in spec["engines"]:
-        out["engines"][engine["name"]] = run_engine(spec["model"], engine, out["engines"])
-        with open(out_path, "w") as f:   # partial results survive a later crash
-            json.dump(out, f)
+        run_engines(json.load(f), out_path)
 
 
 if __name__ == "__main__":
