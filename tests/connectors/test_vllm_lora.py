@@ -31,8 +31,11 @@ both LoRA matrices, so its tokens differ from the base model's.
 Every engine's tokens equal the plain engine's under the same adapter and
 its logprobs are within 1e-4 of them (the plain engine's decode steps differ
 from any connector engine's by ~1e-6 in float32, loads or not); a step that
-loaded blocks has the logprobs, bit for bit, of a connector engine's step
-under the same adapter that computed every block.
+loaded blocks has the logprobs, within ``COMPUTED_TOL``, of a connector
+engine's step under the same adapter that computed every block. Not bit for
+bit: a step that loaded blocks prefills fewer query tokens, and on some CPUs
+(CI's) the kernels then sum in another order, 2-10e-7 apart; a wrong block
+moves a logprob by 0.1 or more.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ from kvstore.bench.daemon_proc import DaemonProc
 from kvstore.bench.llama_model import TINY
 from tests.connectors.test_vllm import BS, VOCAB, vllm_python
 from tests.connectors.test_vllm_daemon import Runner
+
+# how far a step that loaded blocks may be from one that computed them (see above)
+COMPUTED_TOL = 1e-5
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -175,7 +181,7 @@ def same_as_plain(runs: dict, engine: str, step: str, ref: str, computed: tuple[
     """``engine``'s ``step`` emitted the plain engine's tokens of ``ref`` and its
     logprobs within float noise. The plain engine's decode steps differ from
     any connector engine's by ~1e-6 (no load involved: the saver's differ
-    too), so bit-for-bit equality is checked against ``computed``: a
+    too), so the tighter ``COMPUTED_TOL`` is checked against ``computed``: a
     connector engine's step under the same adapter that loaded nothing."""
     got, want = runs[engine][step], runs["plain"][ref]
     assert got["tokens"] == want["tokens"], f"{engine}/{step} vs plain/{ref}; {WHY}"
@@ -185,7 +191,8 @@ def same_as_plain(runs: dict, engine: str, step: str, ref: str, computed: tuple[
         other = runs[computed[0]][computed[1]]
         assert other["cached"] == 0, f"{computed} loaded blocks; {WHY}"
         assert got["tokens"] == other["tokens"], f"{engine}/{step} vs {computed}; {WHY}"
-        assert got["logprobs"] == other["logprobs"], f"{engine}/{step} vs {computed}: not bit for bit; {WHY}"
+        assert got["logprobs"] == pytest.approx(other["logprobs"], abs=COMPUTED_TOL), \
+            f"{engine}/{step} vs {computed}; {WHY}"
 
 
 def cached(runs: dict, engine: str, step: str) -> int:
@@ -215,7 +222,7 @@ def test_an_adapter_loads_only_its_own_blocks(runs):
     assert cached(runs, "loader", "base") == ALL, WHY
     assert cached(runs, "loader", "B") == 0, WHY              # only A's and the base's are stored
     assert cached(runs, "loader", "B_again") == ALL, WHY      # B's own, saved by its first request
-    # loaded K/V gives what computing it gives, bit for bit
+    # loaded K/V gives what computing it gives, within float noise
     for step, ref, computed in (("A", "A", ("saver", "A")), ("base", "base", ("saver", "base")),
                                 ("B", "B", None), ("B_again", "B", ("loader", "B"))):
         same_as_plain(runs, "loader", step, ref, computed)
