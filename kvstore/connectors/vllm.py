@@ -205,14 +205,22 @@ def resolve_adapter_path(path: str) -> str | None:
 
 def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any,
                      adapters: AdapterRevisions | None = None) -> CacheIdentity:
-    """``base`` narrowed to one request: its tenant salt and its LoRA adapter.
+    """``base`` narrowed to one request: its tenant salt and its LoRA adapter."""
+    return base.replace(**request_narrowing(base.cache_salt, cache_salt, lora, adapters))
+
+
+def request_narrowing(base_salt: str, cache_salt: str | None, lora: Any,
+                      adapters: AdapterRevisions | None = None) -> dict[str, Any]:
+    """The identity fields one request changes, taken once per request and
+    applied to every rank's and group's base identity.
 
     A salt set in the connector config (a deployment's tenant) is kept and
     the request's salt appended, so a request can narrow but never leave it.
     The adapter's revision is the digest of its files as this engine loaded
-    them (``kvstore.connectors.adapters``), never its name or path alone.
+    them (``kvstore.connectors.adapters``), never its name or path alone;
+    raises ``AdapterChanged`` where that is unknowable.
     """
-    salt = base.cache_salt
+    salt = base_salt
     if cache_salt:
         salt = f"{salt}|{cache_salt}" if salt else cache_salt
     changes: dict[str, Any] = {"cache_salt": salt}
@@ -222,7 +230,7 @@ def request_identity(base: CacheIdentity, cache_salt: str | None, lora: Any,
         changes["adapter_id"] = str(lora.lora_name)
         changes["adapter_revision"] = adapters.revision(
             str(lora.lora_name), int(lora.lora_int_id), path, reload=bool(getattr(lora, "load_inplace", False)))
-    return base.replace(**changes)
+    return changes
 
 
 def media_extras(features: list[Any], first_block: int, count: int, bs: int) -> list[list[MediaRef]]:
@@ -453,14 +461,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st = self.requests.get(request.request_id)
         if st is None:
             cap = prefix_lm_cap(request.mm_features, self.block_size) if self.prefix_lm else None
+            # every rank's base carries the deployment's one salt: narrowed once
+            base_salt = self.bases[0].cache_salt
             try:
-                idents = [request_identity(b, request.cache_salt, request.lora_request, self.adapters)
-                          for b in self.bases]
+                changes = request_narrowing(base_salt, request.cache_salt, request.lora_request,
+                                            self.adapters)
             except AdapterChanged:      # which weights compute it is unknown: neither load nor save
-                idents = [request_identity(b, request.cache_salt, None).replace(
-                    adapter_id=str(request.lora_request.lora_name), adapter_revision="changed")
-                    for b in self.bases]
+                changes = request_narrowing(base_salt, request.cache_salt, None)
+                changes.update(adapter_id=str(request.lora_request.lora_name), adapter_revision="changed")
                 cap = 0
+            idents = [b.replace(**changes) for b in self.bases]
             if getattr(request, "prompt_embeds", None) is not None:
                 # its token ids are placeholders (zeros, or sentinels where a
                 # mixed prompt has embeddings): the tokens do not say what it is
