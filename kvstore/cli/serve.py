@@ -117,15 +117,15 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
         check_room(cfg)
 
         def ready(daemon: Daemon) -> None:
-            click.echo(start_line(daemon), err=True)
+            _say(start_line(daemon))
             notify_systemd("READY=1")
 
         def reload(daemon: Daemon) -> None:
-            click.echo(reload_line(daemon, config_path, flag_tree, bool(tenants)), err=True)
+            _say(reload_line(daemon, config_path, flag_tree, bool(tenants)))
 
         with _progress_lines():
             report = serve(cfg, ready=ready, reload=reload)
-        click.echo(drain_line(report, cfg), err=True)
+        _say(drain_line(report, cfg))
     except (SettingUnusable, NoRoom) as exc:
         fail(KVStoreError(f"{_setting_named(exc.setting, typed)} {exc.value}: {exc.reason}"))
     except SectionError as exc:
@@ -133,6 +133,17 @@ def serve_command(config_path: str | None, tenants: tuple[str, ...], **flags: An
                                     for loc, msg in exc.items)))
     except (KVStoreError, OSError, ValueError) as exc:
         fail(exc)
+
+
+def _say(line: str) -> None:
+    """One line on stderr. Nobody may be reading it any more (a supervisor's
+    pipe closed, a terminal gone): the daemon serves and drains all the same,
+    so a line that cannot be written is dropped, never an exit status of 1
+    after a clean drain or a daemon that dies at its start line."""
+    try:
+        click.echo(line, err=True)
+    except OSError:
+        pass
 
 
 def reload_line(daemon: Daemon, config_path: str | None, flag_tree: dict[str, Any], tenant_flags: bool) -> str:

@@ -127,6 +127,40 @@ def test_start_line_once_listening_then_drain_line_with_what_was_flushed_and_hel
                                 f"flushed to NVMe, holding {held} on NVMe; bye"]
 
 
+def test_a_daemon_whose_stderr_reader_went_away_still_drains_and_exits_0(tmp_path):
+    """A supervisor's pipe closed, a terminal gone: the drain line cannot be
+    written (EPIPE). The drain is done all the same, the exit status says so
+    (it was 1: the write's error ended the command), and the flush holds."""
+    args = ("--unix", "kv.sock", "--dram", "64MiB", "--nvme", "256MiB", "--nvme-path", "nvme",
+            "--tenant", f"teamA:{TOKEN}")
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args], cwd=tmp_path,
+                            stderr=write_end, env=ENV)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as err:
+            assert err.readline().startswith(b"kvstore serve: listening on unix kv.sock")
+        # the read end is closed now: every later write to stderr fails
+        keys, data = blocks(7, 4)
+        with RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'kv.sock'}", token=TOKEN, shm=False)) as c:
+            assert c.put(IDENT, keys, data) == [PutOutcome.STORED] * 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    again = Serving(tmp_path, *args)
+    try:
+        assert again.line().endswith(f"found 4 blocks ({format_size(4 * BB)}) on NVMe")
+        with RemoteStore(RemoteConfig(url=f"unix://{tmp_path / 'kv.sock'}", token=TOKEN, shm=False)) as c:
+            assert c.lookup(keys).tiers == ["nvme"] * 4
+        rc, _ = again.stop()
+    finally:
+        again.kill()
+    assert rc == 0
+
+
 def test_start_line_names_bound_ports_and_no_tier_not_configured(tmp_path):
     d = Serving(tmp_path, "--unix", "kv.sock", "--tcp-port", "0", "--metrics-port", "0", "--dram", "96MiB")
     try:
