@@ -346,10 +346,12 @@ def test_adapter_revision_follows_the_weights_and_a_switched_model_is_refused(lo
     name, rev = peft_adapter(lora)
     assert name == "alpha"
     p = next(p for n, p in lora.named_parameters() if "lora_B.alpha" in n)
+    # the weight put back as it was, not by subtracting: (x + d) - d is not x in float32
+    was = p[0, 0].item()
     with torch.no_grad():
         p[0, 0] += 1e-3
         assert peft_adapter(lora)[1] != rev                    # retrained: another revision
-        p[0, 0] -= 1e-3
+        p[0, 0] = was
     assert peft_adapter(lora)[1] == rev
     ident = identity_for_model(lora, block_tokens=BT)
     assert (ident.adapter_id, ident.adapter_revision) == ("alpha", rev)
@@ -371,7 +373,7 @@ def test_adapter_revision_follows_the_weights_and_a_switched_model_is_refused(lo
             pc.prefill(lora, _ids(12, 40))
     finally:
         with torch.no_grad():
-            p[0, 0] -= 1e-3
+            p[0, 0] = was
     ident = identity_for_model(lora, block_tokens=BT)       # taken again: the same weights, the same key
     assert ident.adapter_revision == rev
     pc = HFPrefixCache(make_store(8 << 20), ident, config=lora.config)
