@@ -248,13 +248,20 @@ _MEDIA_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", 
                        "audio_token_id", "audio_token_index")
 
 
-def media_token_ids(config: Any) -> frozenset[int]:
-    """The placeholder token ids a model's config names (image, video, audio)."""
-    out = set()
+def media_token_ids(config: Any, _depth: int = 0) -> frozenset[int]:
+    """The placeholder token ids a model's config names (image, video, audio),
+    at its top level or in its sub-configs (Phi-4-multimodal's
+    ``vision_config``, Qwen2.5-Omni's ``thinker_config``, ...)."""
+    out: set[int] = set()
+    if config is None or _depth > 3:
+        return frozenset()
     for name in _MEDIA_TOKEN_FIELDS:
-        v = getattr(config, name, None) if config is not None else None
+        v = getattr(config, name, None)
         if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
             out.add(v)
+    for name, sub in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
+        if name.endswith("_config") and hasattr(sub, "to_dict"):
+            out |= media_token_ids(sub, _depth + 1)
     return frozenset(out)
 
 
@@ -817,6 +824,11 @@ class HFPrefixCache:
         ids = ids.reshape(1, -1)
         B = self.identity.layout.block_tokens
         self._check_adapter(model)
+        unnamed = sorted(k for k in model_inputs or {} if k not in _TEXT_FIELDS)
+        if unnamed and not media:
+            # the model would see media the keys do not name: two images, one key
+            raise ConfigError(f"model_inputs carry media ({', '.join(unnamed)}) but media= names "
+                              "none: pass media=image_spans(...)")
         restored = self.load(ids, followup=followup, media=media)
         if media and model_inputs:
             spans = [_span_of(m) for m in media]

@@ -24,6 +24,7 @@ from kvstore.connectors.hf import (  # noqa: E402
     identity_for_model,
     image_spans,
     media_hash,
+    media_token_ids,
     peft_adapter,
 )
 from kvstore.errors import ConfigError  # noqa: E402
@@ -216,10 +217,31 @@ def test_media_tokens_without_media_are_declined_fail_closed(vlm, store, saved_x
     assert fresh_pc.load(ids, media=[(h, start, length - 1)]).num_blocks == 0
     # save stores nothing: another image's tokens, saved without media, never enter the store
     other_ids, mi, out = inputs(proc, image(3), text=PROMPT + " red green")
-    _, cache, _ = fresh_pc.prefill(model, other_ids, model_inputs=mi)
+    with torch.no_grad():
+        cache = model(other_ids, **mi, use_cache=True).past_key_values
     assert fresh_pc.save(other_ids, cache) == []
+    # and prefill refuses media inputs that media= does not name, whatever the config says
+    blind = HFPrefixCache(store, pc.identity, config=None, media_tokens=())
+    with pytest.raises(ConfigError, match="media= names none"):
+        blind.prefill(model, other_ids, model_inputs=mi)
     keyed = fresh_pc.keys(other_ids, media=image_spans(out, image_id))
     assert store.lookup(keyed).prefix_blocks == first_image_block(other_ids, image_id)
+
+
+def test_media_tokens_named_in_sub_configs_are_found(saved_x):
+    """Phi-4-multimodal and Qwen2.5-Omni name their placeholders only in
+    sub-configs: found there, a sequence holding them without spans is
+    declined, as for a model that names them at its top level."""
+    from transformers import Phi4MultimodalConfig, Qwen2_5OmniConfig
+
+    phi = Phi4MultimodalConfig()
+    assert {phi.vision_config.image_token_id, phi.audio_config.audio_token_id} <= media_token_ids(phi)
+    omni = Qwen2_5OmniConfig()
+    thinker = omni.thinker_config
+    assert {thinker.image_token_index, thinker.video_token_index} <= media_token_ids(omni)
+    pc = HFPrefixCache(make_store(1 << 20), saved_x[0].identity, config=omni)
+    ids = [5] * 20 + [thinker.image_token_index] * 4 + [6] * 8
+    assert pc.keys(ids) == [] and "no media span" in pc.load(ids).declined
 
 
 def test_a_text_only_model_keys_tokens_and_any_span_given(vlm, saved_x):
