@@ -215,14 +215,19 @@ def request_narrowing(base_salt: str, cache_salt: str | None, lora: Any,
     applied to every rank's and group's base identity.
 
     A salt set in the connector config (a deployment's tenant) is kept and
-    the request's salt appended, so a request can narrow but never leave it.
+    the request's salt appended, so a request can narrow but never leave it
+    (nor, on an unsalted engine, name a salted deployment's).
     The adapter's revision is the digest of its files as this engine loaded
     them (``kvstore.connectors.adapters``), never its name or path alone;
     raises ``AdapterChanged`` where that is unknowable.
     """
     salt = base_salt
     if cache_salt:
-        salt = f"{salt}|{cache_salt}" if salt else cache_salt
+        # the deployment's salt length-prefixed: one (deployment, request)
+        # pair per value, so no request salt reaches another deployment's
+        # keys (a bare "teamB" from an unsalted engine was the deployment
+        # salted "teamB"; "a" + "b|c" was "a|b" + "c")
+        salt = f"{len(salt)}:{salt}|{cache_salt}"
     changes: dict[str, Any] = {"cache_salt": salt}
     if lora is not None:
         adapters = adapters or AdapterRevisions()
@@ -255,6 +260,21 @@ def prefix_lm_cap(features: list[Any] | None, bs: int) -> int | None:
     if not features:
         return None
     return min(f.mm_position.offset for f in features) // bs
+
+
+def media_unhashed(vllm_config: Any) -> bool:
+    """Whether vLLM names this engine's media items without hashing them.
+
+    With its processor cache off (``mm_processor_cache_gb=0``) and prefix
+    caching off, vLLM caches no media and skips content hashing: an item's
+    identifier is then a per-process request counter
+    (``renderer0-mm-1-image-0``), the same for two images in two processes
+    (vLLM's ``BaseRenderer._process_mm_uuids``). A store that outlives the
+    process must not key by it: such an engine stores and loads only the
+    blocks before a request's first media item, as for a prefix-LM."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    return mm is not None and getattr(mm, "mm_processor_cache_gb", None) == 0 \
+        and not vllm_config.cache_config.enable_prefix_caching
 
 
 def _capped(blocks: int, cap: int | None) -> int:
@@ -335,6 +355,10 @@ class BlockPlan:
     block_ids: list[int]
     keys: list[list[bytes]]
     group: int = 0
+    # a load the scheduler withdrew after vLLM counted it (the request's
+    # adapter changed since it was keyed): the worker reports its blocks as
+    # not arrived, without reading them, and vLLM recomputes them
+    refused: bool = False
 
 
 @dataclass
@@ -370,6 +394,8 @@ class _ReqState:
                                              # media, an adapter changed on disk, prompt embeds: _state)
     tainted: bool = False                    # saves nothing: it continues blocks vLLM's own cache may
                                              # hold for an adapter's old weights (get_num_new_matched_tokens)
+    stale: bool = False                      # its adapter changed since it was keyed: from then on it
+                                             # neither loads nor saves (_adapter_moved)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -431,6 +457,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvstore: %s attends bidirectionally over its media (a prefix-LM): only the "
                          "blocks before a request's first media item are stored and loaded",
                          vllm_config.model_config.model)
+            self.media_unhashed = media_unhashed(vllm_config)
+            if self.media_unhashed:
+                log.warning("kvstore: with mm_processor_cache_gb=0 and prefix caching off, vLLM names "
+                            "media items by a per-process counter, not their content: only the blocks "
+                            "before a request's first media item are stored and loaded (turn either "
+                            "cache on to reuse blocks holding media)")
             if self.declined:
                 return
             self.bases = [engine_identity(vllm_config, kv_cache_config, self.user, r, self.plan)
@@ -460,7 +492,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _state(self, request: Request) -> _ReqState:
         st = self.requests.get(request.request_id)
         if st is None:
-            cap = prefix_lm_cap(request.mm_features, self.block_size) if self.prefix_lm else None
+            # a prefix-LM's media, or media named without their content: only the blocks before them
+            cap = prefix_lm_cap(request.mm_features, self.block_size) \
+                if self.prefix_lm or self.media_unhashed else None
             # every rank's base carries the deployment's one salt: narrowed once
             base_salt = self.bases[0].cache_salt
             try:
@@ -531,6 +565,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # local hit may be the old weights' K/V, and every block computed
             # after it attends to that: none may be saved under the new digest
             st.tainted = True
+        if self._adapter_moved(st):
+            return 0, False
         if not self.loads:
             return 0, False
         if st.handoff_outcome is not None and st.handoff_outcome.refuses:
@@ -572,9 +608,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = KVStoreConnectorMetadata()
         if self.declined:
             return meta
+        revisions: dict[tuple[str, int, str], str | None] = {}    # adapters checked this step
         for req_id in self.loading:
             st = self.requests.get(req_id)
             if st is not None:
+                self._adapter_moved(st, revisions)
                 self._plan_load(st, meta)
             # reported even if it ended meanwhile: vLLM frees a request's
             # blocks only once its receive is reported
@@ -589,7 +627,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 st.saved_upto = 0
             st.scheduled = True
             st.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan(st, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+            self._plan(st, new.num_computed_tokens + sched.get(new.req_id, 0), meta, revisions)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.requests.get(req_id)
@@ -603,7 +641,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             elif new_ids is not None:
                 for mine, more in zip(st.block_ids, new_ids):
                     mine.extend(more)
-            self._plan(st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+            self._plan(st, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta, revisions)
         return meta
 
     def _keep(self, st: _ReqState) -> list[set[int] | None]:
@@ -624,6 +662,40 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 st.keep.append(keep)
         return st.keep
 
+    def _adapter_moved(self, st: _ReqState,
+                       revisions: dict[tuple[str, int, str], str | None] | None = None) -> bool:
+        """Whether a LoRA request's adapter is no longer the one its keys name.
+
+        vLLM's worker computes each step with the weights it loaded last: an
+        in-place reload (the server's ``load_lora_adapter``, or a later
+        request's ``load_inplace``) or a re-read after evicting the id swaps
+        them under a request that is waiting or part-way through its
+        prefill. Checked before every load and save (a few stat calls per
+        adapter and step, ``revisions`` memoizes them): from the first
+        change on, the request is ``stale``: it saves nothing more, and a
+        load planned under the old revision is refused (vLLM recomputes it).
+        """
+        if st.stale:
+            return True
+        lora = st.request.lora_request
+        if lora is None or st.cap == 0:         # no adapter, or it neither loads nor saves already
+            return False
+        key = (str(lora.lora_name), int(lora.lora_int_id), str(getattr(lora, "lora_path", "") or ""))
+        if revisions is not None and key in revisions:
+            now = revisions[key]
+        else:
+            try:
+                now = self.adapters.revision(*key)
+            except AdapterChanged:
+                now = None
+            if revisions is not None:
+                revisions[key] = now
+        if now != st.identities[0].adapter_revision:
+            log.info("kvstore: %s: adapter %r changed while the request ran; it loads and saves "
+                     "nothing more", st.request.request_id, key[0])
+            st.stale = st.tainted = True
+        return st.stale
+
     def _plan_load(self, st: _ReqState, meta: KVStoreConnectorMetadata) -> None:
         if st.load is None:
             return
@@ -632,10 +704,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for g, group in enumerate(self.groups):
             todo = loadable(group, first, end, st.block_ids[g])
             if todo:
-                meta.loads.append(self._block_plan(st, g, todo))
+                plan = self._block_plan(st, g, todo)
+                plan.refused = st.stale
+                meta.loads.append(plan)
         st.load = None
 
-    def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata) -> None:
+    def _plan(self, st: _ReqState, computed_after: int, meta: KVStoreConnectorMetadata,
+              revisions: dict[tuple[str, int, str], str | None] | None = None) -> None:
+        self._adapter_moved(st, revisions)
         self._plan_load(st, meta)
         if not self.saves or st.tainted:
             return
@@ -827,7 +903,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for plan in meta.loads:
             ident = self._plan_identity(plan)
             keys = [BlockKey(k) for k in plan.keys[self.rank]]
-            failed = self.worker.load(self.store, self.guard, ident, keys, plan.block_ids, plan.group)
+            failed = list(plan.block_ids) if plan.refused else \
+                self.worker.load(self.store, self.guard, ident, keys, plan.block_ids, plan.group)
             if self.async_loads:
                 if failed:      # vLLM recomputes the whole request
                     self.worker.failed.add(plan.req_id)

@@ -24,8 +24,9 @@ from vllm.config import ModelConfig
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from kvstore.connectors.adapters import AdapterChanged, AdapterRevisions
-from kvstore.connectors.vllm import (media_extras, prefix_lm, prefix_lm_cap, processor_version,
-                                     request_identity)
+from types import SimpleNamespace
+from kvstore.connectors.vllm import (media_extras, media_unhashed, prefix_lm, prefix_lm_cap,
+                                     processor_version, request_identity, request_narrowing)
 from kvstore.identity import CacheIdentity, KVLayout
 from kvstore.keys import block_keys
 
@@ -59,6 +60,23 @@ out["processor"] = {
 with open(pre, "w") as f:
     json.dump({"image_processor_type": "SiglipImageProcessor", "size": {"height": 64, "width": 64}}, f)
 out["processor"]["other_file"] = processor_version(ModelConfig(model=pg, skip_tokenizer_init=True), "")
+
+def engine(model_config, prefix_caching):
+    return SimpleNamespace(model_config=model_config,
+                           cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+
+no_cache = ModelConfig(model=pg, skip_tokenizer_init=True, mm_processor_cache_gb=0)
+out["unhashed"] = {"both_off": media_unhashed(engine(no_cache, False)),
+                   "prefix_cache_on": media_unhashed(engine(no_cache, True)),
+                   "processor_cache_on": media_unhashed(engine(ModelConfig(model=pg, skip_tokenizer_init=True), False)),
+                   "text_model": media_unhashed(engine(text, False))}
+
+def salt(deployment, request):
+    return request_narrowing(deployment, request, None)["cache_salt"]
+
+out["salt"] = {"deployment_alone": salt("teamB", None), "unsalted_request": salt("", "teamB"),
+               "split_a": salt("acme", "bob|x"), "split_b": salt("acme|bob", "x"),
+               "narrowed": salt("acme", "bob")}
 
 def feature(ident, offset, length):
     return MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
@@ -110,6 +128,56 @@ out["lora"] = {
     "other_engine_same_files": rev(LoRARequest("renamed-id", 9, a), AdapterRevisions()).adapter_revision
         == rev(LoRARequest("sql", 2, a)).adapter_revision,
 }
+
+# a load vLLM counted, planned after its adapter's files changed (the engine
+# reloaded them in place): refused, so the worker reports it not arrived
+import numpy as np, torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+from kvstore.connectors.vllm import KVStoreConnector
+
+ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm",
+                       kv_role="kv_both", kv_connector_extra_config={"store": {"dram": {"capacity_bytes": "16MiB"}}})
+cfg = EngineArgs(model=llama, skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True, dtype="float32",
+                 block_size=32, enable_lora=True, max_lora_rank=8, kv_transfer_config=ktc).create_engine_config()
+spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=cfg.model_config.get_head_size(),
+                         dtype=torch.float32)
+kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                    kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+conn = KVStoreConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+x = adapter(os.path.join(tmp, "x"), b"X" * 512)
+
+def req(rid):
+    return Request(request_id=rid, prompt_token_ids=list(range(10, 110)), sampling_params=SamplingParams(max_tokens=4),
+                   pooling_params=None, lora_request=LoRARequest("x", 7, x))
+
+def scheduled(rid):
+    n, _ = conn.get_num_new_matched_tokens(req(rid), 0)
+    conn.update_state_after_alloc(conn.requests[rid].request, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), n)
+    return n
+
+conn.get_num_new_matched_tokens(req("first"), 0)         # nothing stored: its keys, under x's files
+st = conn.requests["first"]
+conn.store.put(st.identities[0], st.chains[0].keys(0, 3),
+               [np.zeros(st.identities[0].layout.block_bytes, np.uint8)] * 3)
+
+def plan(rid, n):
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs = [SimpleNamespace(req_id=rid, block_ids=([1, 2, 3, 4],), num_computed_tokens=n)]
+    so.num_scheduled_tokens = {rid: 100 - n}
+    meta = conn.build_connector_meta(so)
+    return {"hit": n, "loads": [[len(p.block_ids), p.refused] for p in meta.loads], "saves": len(meta.saves)}
+
+out["refused"] = {"unchanged": plan("q0", scheduled("q0"))}
+n = scheduled("q1")
+adapter(x, b"X2" * 512)                                   # rewritten and reloaded in place by the engine
+out["refused"]["changed"] = plan("q1", n)
+out["refused"]["later_hit"] = conn.get_num_new_matched_tokens(req("q2"), 0)[0]
 print(json.dumps(out))
 """
 
@@ -146,6 +214,28 @@ def test_an_image_keys_the_blocks_it_touches_and_every_block_after(checks):
     assert m["shared_before"] == 2 and m["x_again"] is True
     assert m["moved"] == 2                 # the same image two tokens later is another key from block 2 on
     assert m["text_only_equal"] is False   # placeholders alone never pass for the image
+
+
+def test_media_vllm_does_not_hash_are_known(checks):
+    # vLLM names items by a per-process counter only with both caches off
+    assert checks["unhashed"] == {"both_off": True, "prefix_cache_on": False, "processor_cache_on": False,
+                                  "text_model": False}
+
+
+def test_a_request_salt_narrows_its_deployment_and_never_names_another(checks):
+    s = checks["salt"]
+    assert s["deployment_alone"] == "teamB"                   # a deployment's keys are its salt's alone
+    assert s["unsalted_request"] != s["deployment_alone"]     # a request cannot name a salted deployment
+    assert s["split_a"] != s["split_b"]                       # nor move the split between the two
+    assert s["narrowed"] not in ("acme", "bob")
+
+
+def test_a_load_planned_after_its_adapter_changed_is_refused(checks):
+    r = checks["refused"]
+    assert r["unchanged"] == {"hit": 96, "loads": [[3, False]], "saves": 0}
+    # counted by vLLM before the change: the worker reports it not arrived, vLLM recomputes it
+    assert r["changed"] == {"hit": 96, "loads": [[3, True]], "saves": 0}
+    assert r["later_hit"] == 0
 
 
 def test_a_lora_adapter_is_keyed_by_its_files_as_the_engine_loaded_them(checks):

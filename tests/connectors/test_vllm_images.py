@@ -9,7 +9,7 @@ processor kwargs, ``request.mm_features``), so a block holding image tokens
 is only found again for the same image processed the same way; the text
 blocks before the first image are found whatever the image.
 
-One runner process starts six engines one after another (each its own
+One runner process starts eight engines one after another (each its own
 EngineCore, all against one daemon):
 
 1. ``plain``: no connector -- reference tokens and logprobs for every case.
@@ -25,6 +25,11 @@ EngineCore, all against one daemon):
 5. ``plm_saver``, ``plm_loader``: the same model marked ``is_mm_prefix_lm``
    (vLLM's flag for PaliGemma, Gemma 3, ...): only the blocks wholly before
    the first image are saved and loaded.
+6. ``unhashed_saver`` (X), ``unhashed_loader`` (Y, then X): engines with
+   vLLM's processor cache and prefix cache off, where vLLM names an image by
+   a per-process request counter instead of hashing it (every engine's first
+   image is ``renderer0-mm-1-image-0``): only the blocks before the image are
+   saved and loaded, so Y never gets X's blocks.
 
 The images are noise drawn from a seed printed by the test (``-s`` shows it;
 it is in the failure message too), so the checks hold on images no earlier
@@ -112,6 +117,7 @@ def runs(tmp_path_factory):
     llm = {"limit_mm_per_prompt": {"image": 2}, "max_model_len": 1024}
     gates = [tmp / "saver-counted", tmp / "reprocessor-counted", tmp / "plm-saver-counted"]
     plm = {"model": str(tmp / "model_plm"), "connector": conn, "llm": llm}
+    unhashed = {**llm, "mm_processor_cache_gb": 0}
     spec = {"model": str(tmp / "model"), "model_plm": plm["model"], "dir": str(tmp), "seed": seed,
             "images": {"X": [80, 96], "Y": [80, 96]}, "resized": [72, 60],   # (w, h) of X resized
             "engines": [
@@ -130,6 +136,11 @@ def runs(tmp_path_factory):
                  "steps": [gen("X", "X"), gen("XX", ["X", "X"])]},
                 {"name": "plm_loader", **plm, "prefix_caching": False, "wait_for": str(gates[2]),
                  "steps": [gen("X", "X"), gen("XX", ["X", "X"])]},
+                # no content hash: each engine's first image is renderer0-mm-1-image-0
+                {"name": "unhashed_saver", "connector": conn, "prefix_caching": False, "llm": unhashed,
+                 "steps": [gen("X", "X")]},
+                {"name": "unhashed_loader", "connector": conn, "prefix_caching": False, "llm": unhashed,
+                 "steps": [gen("Y", "Y"), gen("X", "X")]},
             ]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     daemon.start()
@@ -266,6 +277,18 @@ def test_a_prefix_lm_saves_and_loads_only_the_blocks_before_its_first_image(runs
         assert got["cached"] == before * BS, (case, runs["seed"])
         assert got["tokens"] == want["tokens"], (case, runs["seed"])
         assert logprob_gap(got["logprobs"], want["logprobs"]) < LOGPROB_TOL, (case, runs["seed"])
+
+
+def test_images_vllm_does_not_hash_load_only_the_blocks_before_them(runs):
+    """With its processor and prefix caches off, vLLM names an image by a
+    counter that restarts in every process: the loader's first image (Y) has
+    the saver's (X) name. Only the text blocks before it may load."""
+    assert runs["unhashed_saver"]["X"]["cached"] == first_image_block(runs, "X") * BS, runs["seed"]
+    for case in ("Y", "X"):
+        assert runs["unhashed_loader"][case]["cached"] == first_image_block(runs, case) * BS, \
+            (case, runs["seed"])
+        same_as_plain(runs, case, "unhashed_loader")
+    assert "per-process counter" in runs["runner_log"]       # the engine said why
 
 
 def test_no_store_call_failed(runs):

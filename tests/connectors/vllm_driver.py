@@ -17,12 +17,20 @@ Spec::
         {"op": "tear_loads", "id": str, "kinds": [str], "count": int},
         {"op": "torn", "id": str},
         {"op": "wait", "file": PATH},
-        {"op": "abort", "id": str, "tokens": [int], "kv": {...}}]}]}
+        {"op": "abort", "id": str, "tokens": [int], "kv": {...}},
+        {"op": "reload_midway", "id": str, "tokens": [int], "lora": {...}, "after_steps": int,
+         "reload": {"lora": {...}}}]}]}
 
 ``wait`` holds the started engine until the file exists (a test lets a
 consumer engine start while its producer runs, then releases it); ``abort``
 runs one engine step of a request and aborts it (vLLM's abort path: the
-connector sees it finish as FINISHED_ABORTED).
+connector sees it finish as FINISHED_ABORTED). ``reload_midway`` runs a
+generate step's request for ``after_steps`` engine steps, then loads
+``reload``'s adapter into the engine as vLLM's server does on
+``load_lora_adapter`` (``add_lora``; with ``load_inplace``, new weights
+under the id the request runs with), then runs it to the end. One step is
+one engine-core step only where the core runs in the driver's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``); elsewhere the reload lands later.
 
 An engine may name its own ``"model"`` directory and extra ``LLM`` arguments
 in ``"llm"`` (``{"enable_lora": true, "max_lora_rank": 8}``,
@@ -176,11 +184,15 @@ class KVStoreProbe:
     def kvstore_invalidate(self, kinds: list, salt: str) -> str:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+        from kvstore.connectors.vllm import request_narrowing
+
         conn = get_kv_transfer_group()
         dropped = 0
         for g, group in enumerate(conn.plan.groups):
             if group.kind in kinds:
-                dropped += conn.store.invalidate(conn.base.for_group(g).replace(cache_salt=salt))
+                # the identity a request under this salt has (the connector's own narrowing)
+                ident = conn.base.for_group(g)
+                dropped += conn.store.invalidate(ident.replace(**request_narrowing(ident.cache_salt, salt, None)))
         return json.dumps(dropped)
 
     def kvstore_tear_loads(self, kinds: list, count: int) -> str:
@@ -253,6 +265,23 @@ def _lora(step: dict) -> object | None:
     return LoRARequest(lora["name"], lora["id"], lora["path"], load_inplace=bool(lora.get("load_inplace")))
 
 
+def _reload_midway(engine: Any, step: dict, prompt: dict, params: Any) -> Any:
+    """``step``'s request, with ``step["reload"]``'s adapter loaded into the
+    engine after ``after_steps`` engine steps; its final output."""
+    engine.add_request(step["id"], prompt, params, lora_request=_lora(step))
+    final, steps = None, 0
+    while engine.has_unfinished_requests():
+        if steps == step.get("after_steps", 1):
+            engine.add_lora(_lora(step["reload"]))
+        for out in engine.step():
+            if out.finished:
+                final = out
+        steps += 1
+    if final is None or steps <= step.get("after_steps", 1):
+        raise SystemExit(f"{step['id']}: finished after {steps} steps, before its reload")
+    return final
+
+
 def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -315,7 +344,10 @@ def run_engine(model: str, spec: dict, previous: dict | None = None) -> dict:
             params = SamplingParams(max_tokens=step.get("max_tokens", 16), temperature=0.0,
                                     ignore_eos=True, logprobs=1 if step.get("logprobs") else None,
                                     extra_args={"kv_transfer_params": kv} if kv else None)
-            out = llm.generate([prompt], params, use_tqdm=False, lora_request=_lora(step))[0]
+            if step["op"] == "reload_midway":
+                out = _reload_midway(llm.llm_engine, step, prompt, params)
+            else:
+                out = llm.generate([prompt], params, use_tqdm=False, lora_request=_lora(step))[0]
             got = out.outputs[0]
             results[step["id"]] = {"tokens": list(got.token_ids), "cached": out.num_cached_tokens or 0,
                                    "kv": out.kv_transfer_params,
