@@ -259,7 +259,7 @@ def media_token_ids(config: Any, _depth: int = 0) -> frozenset[int]:
         v = getattr(config, name, None)
         if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
             out.add(v)
-    for name, sub in sorted(vars(config).items()) if hasattr(config, "__dict__") else ():
+    for name, sub in vars(config).items() if hasattr(config, "__dict__") else ():
         if name.endswith("_config") and hasattr(sub, "to_dict"):
             out |= media_token_ids(sub, _depth + 1)
     return frozenset(out)
@@ -317,6 +317,11 @@ def _item_rows(output: Any, name: str, value: Any, count: int) -> list[Any] | No
     return None
 
 
+def _media_fields(output: Any) -> list[str]:
+    """The names of a processor output's media fields (all but its text ones), sorted."""
+    return sorted(k for k in output.keys() if k not in _TEXT_FIELDS)
+
+
 def media_hash(output: Any, index: int = 0, count: int = 1) -> str:
     """The hash of media item ``index`` of ``count`` in a processor's output
     (a BatchFeature or mapping): sha256 over the item's part of every
@@ -330,7 +335,7 @@ def media_hash(output: Any, index: int = 0, count: int = 1) -> str:
     if not 0 <= index < count:
         raise ConfigError(f"media index {index} out of {count}")
     h = hashlib.sha256(b"kvstore-hf-media-v1")
-    fields = sorted(k for k in output.keys() if k not in _TEXT_FIELDS)
+    fields = _media_fields(output)
     if not fields:
         raise ConfigError("the processor output holds no media fields (pixel_values, ...)")
     for name in fields:
@@ -824,7 +829,7 @@ class HFPrefixCache:
         ids = ids.reshape(1, -1)
         B = self.identity.layout.block_tokens
         self._check_adapter(model)
-        unnamed = sorted(k for k in model_inputs or {} if k not in _TEXT_FIELDS)
+        unnamed = _media_fields(model_inputs or {})
         if unnamed and not media:
             # the model would see media the keys do not name: two images, one key
             raise ConfigError(f"model_inputs carry media ({', '.join(unnamed)}) but media= names "

@@ -115,6 +115,24 @@ class Runner:
             self.proc.wait(10)
 
 
+def run_spec(py: str, tmp: Path, spec: dict, daemon: DaemonProc, script: str = RUNNER,
+             timeout_s: float = 800) -> dict:
+    """``spec``'s engines through ``daemon`` (started here, closed after),
+    run by ``script`` to the end: their results, the runner's log as
+    ``"_log"`` and the daemon's stats at the end as ``"_stats"``."""
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    daemon.start()
+    runner = Runner(py, tmp / "spec.json", tmp / "out.json", tmp / "runner.log", script=script)
+    try:
+        out = runner.wait(timeout_s)
+        out["_log"] = runner.log_path.read_text(errors="replace")
+        out["_stats"] = daemon.stats()
+        return out
+    finally:
+        runner.kill()
+        daemon.close()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Engine results plus the daemon's tier counters after each phase."""

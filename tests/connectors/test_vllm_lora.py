@@ -39,7 +39,6 @@ moves a logprob by 0.1 or more.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -48,7 +47,7 @@ import pytest
 from kvstore.bench.daemon_proc import DaemonProc
 from kvstore.bench.llama_model import TINY
 from tests.connectors.test_vllm import BS, VOCAB, vllm_python
-from tests.connectors.test_vllm_daemon import Runner
+from tests.connectors.test_vllm_daemon import run_spec
 
 # how far a step that loaded blocks may be from one that computed them (see above)
 COMPUTED_TOL = 1e-5
@@ -164,17 +163,7 @@ def runs(tmp_path_factory):
                 engine("inplace_check", "t1", [gen("IP", lora("ip", 12, dirs["ip"])), gen("E2", embeds=E2)],
                        llm=EMBEDS),
             ]}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    daemon.start()
-    runner = Runner(py, tmp / "spec.json", tmp / "out.json", tmp / "runner.log", script=RUNNER)
-    try:
-        out = runner.wait(800)
-        out["_log"] = runner.log_path.read_text(errors="replace")
-        out["_stats"] = daemon.stats()
-        return out
-    finally:
-        runner.kill()
-        daemon.close()
+    return run_spec(py, tmp, spec, daemon, script=RUNNER)
 
 
 def same_as_plain(runs: dict, engine: str, step: str, ref: str, computed: tuple[str, str] | None = None) -> None:

@@ -24,14 +24,13 @@ Prompt and adapters are drawn from a printed seed (``KVSTORE_LORA_SEED``).
 """
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
 from kvstore.bench.daemon_proc import DaemonProc
 from tests.connectors.test_vllm import BS, VOCAB, vllm_python
-from tests.connectors.test_vllm_daemon import Runner
+from tests.connectors.test_vllm_daemon import run_spec
 from tests.connectors.test_vllm_lora import LLM, RUNNER, SEED, WHY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.slow]
@@ -69,16 +68,7 @@ def runs(tmp_path_factory):
         {"name": "fresh", "connector": conn, "llm": LLM, "prefix_caching": False, "write_loras": {path: W1},
          "steps": [gen("A")]},
     ]}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    daemon.start()
-    runner = Runner(py, tmp / "spec.json", tmp / "out.json", tmp / "runner.log", script=INPROC_RUNNER)
-    try:
-        out = runner.wait(800)
-        out["_log"] = runner.log_path.read_text(errors="replace")
-        return out
-    finally:
-        runner.kill()
-        daemon.close()
+    return run_spec(py, tmp, spec, daemon, script=INPROC_RUNNER)
 
 
 def test_the_reload_changed_the_running_requests_output(runs):
